@@ -1,0 +1,3 @@
+from podgate.cli.main import main
+
+main()

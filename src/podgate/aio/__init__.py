@@ -1,0 +1,1 @@
+"""podgate.aio."""

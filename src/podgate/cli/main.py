@@ -1,0 +1,13 @@
+"""The `podgate` command."""
+
+from __future__ import annotations
+
+import click
+
+from podgate import __version__
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="podgate")
+def main() -> None:
+    """podgate: Kubernetes exec, attach and port-forward that work for every pod sandbox."""

@@ -5,9 +5,13 @@ from __future__ import annotations
 import click
 
 from podgate import __version__
+from podgate.cli.demo import demo
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="podgate")
 def main() -> None:
     """podgate: Kubernetes exec, attach and port-forward that work for every pod sandbox."""
+
+
+main.add_command(demo)

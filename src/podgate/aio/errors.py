@@ -1,0 +1,51 @@
+"""Network errors of the asyncio layer; OS errors are mapped here, once."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+from collections.abc import Iterator
+
+
+class StreamError(Exception):
+    """Root of every error a ByteStream raises."""
+
+
+class ClosedStreamError(StreamError):
+    """We used a stream after closing it (or writing after our EOF)."""
+
+
+class BrokenStreamError(StreamError):
+    """The peer went away abruptly (reset, connection lost)."""
+
+
+class StreamResetError(BrokenStreamError):
+    """A multiplexed stream was reset by the peer; `status` is the protocol's code."""
+
+    def __init__(self, message: str, status: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class ConnectError(StreamError):
+    """A connection could not be made; `errno` is kept for messages like containerd's."""
+
+    def __init__(self, message: str, err: int | None = None) -> None:
+        super().__init__(message)
+        self.errno = err
+
+
+_BROKEN = {errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED, errno.ESHUTDOWN}
+
+
+@contextlib.contextmanager
+def map_os_errors() -> Iterator[None]:
+    """Turn OS errors into this module's errors (connection setup and I/O alike)."""
+    try:
+        yield
+    except ConnectionRefusedError as exc:
+        raise ConnectError(f"connect: {exc.strerror or 'connection refused'}", exc.errno) from exc
+    except OSError as exc:
+        if exc.errno in _BROKEN:
+            raise BrokenStreamError(str(exc)) from exc
+        raise ConnectError(str(exc), exc.errno) from exc

@@ -1,0 +1,75 @@
+"""One splice: copy both ways between two ByteStreams, forwarding EOF."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+
+from podgate.aio.errors import StreamError
+from podgate.aio.streams import DEFAULT_RECEIVE_BYTES, ByteStream
+
+# After one direction ends, how long the other may go on. A half-closed peer may still be
+# answering (request, FIN, response), but not forever; containerd allows 1 s, which cuts slow
+# answers, so podgate is more patient.
+HALF_CLOSE_GRACE_SECONDS = 60.0
+
+
+@dataclass(slots=True)
+class SpliceResult:
+    """Bytes moved each way and the first error that ended the splice, if any."""
+
+    a_to_b: int = 0
+    b_to_a: int = 0
+    error: BaseException | None = None
+
+
+async def _pump(src: ByteStream, dst: ByteStream, result: SpliceResult, forward: bool) -> None:
+    while True:
+        chunk = await src.receive(DEFAULT_RECEIVE_BYTES)
+        if not chunk:
+            await dst.send_eof()
+            return
+        await dst.send(chunk)
+        if forward:
+            result.a_to_b += len(chunk)
+        else:
+            result.b_to_a += len(chunk)
+
+
+async def splice(
+    a: ByteStream, b: ByteStream, *, grace: float | None = HALF_CLOSE_GRACE_SECONDS
+) -> SpliceResult:
+    """Copy a→b and b→a until both directions end; close both streams.
+
+    EOF on one side becomes send_eof() on the other. An error in either direction ends both at
+    once. After one direction finished cleanly the other gets `grace` seconds (None: unbounded).
+    """
+    result = SpliceResult()
+    t1 = asyncio.create_task(_pump(a, b, result, True), name="splice a->b")
+    t2 = asyncio.create_task(_pump(b, a, result, False), name="splice b->a")
+    pending: set[asyncio.Task[None]] = {t1, t2}
+    try:
+        while pending:
+            timeout = grace if len(pending) == 1 else None
+            done, pending = await asyncio.wait(
+                pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+            if not done:
+                break  # grace ran out
+            for task in done:
+                exc = task.exception()
+                if exc is not None:
+                    if not isinstance(exc, StreamError):
+                        raise exc
+                    result.error = result.error or exc
+            if result.error is not None:
+                break
+    finally:
+        for task in pending:
+            task.cancel()
+        for task in pending:
+            with contextlib.suppress(asyncio.CancelledError, StreamError):
+                await task
+        await asyncio.gather(a.aclose(), b.aclose(), return_exceptions=True)
+    return result

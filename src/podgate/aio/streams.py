@@ -1,0 +1,351 @@
+"""Half-closeable byte streams: the one interface between podgate's layers.
+
+Everything that carries the bytes of one connection or one exec stdio — a TCP socket, a SPDY
+stream, a WebSocket channel, a pipe — is a `ByteStream`. `receive()` returns b"" once the peer
+has finished sending; `send_eof()` finishes our direction while still reading.
+
+`SocketStream` is the transport-backed implementation. It is built on `asyncio.Protocol` (not
+StreamReader/StreamWriter) with pause/resume flow control both ways, and it doubles as the
+`Wire` that protocol drivers write framed output to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import socket
+import ssl
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Protocol
+
+from podgate.aio.errors import BrokenStreamError, ClosedStreamError, map_os_errors
+
+# Largest chunk handed out by one receive(): bigger reads cost fewer wake-ups per byte.
+DEFAULT_RECEIVE_BYTES = 256 * 1024
+# Bytes a socket may hold unread before the transport stops reading (TCP backpressure).
+RECEIVE_HIGH_WATER = 1024 * 1024
+# Bytes the kernel send path may queue in the transport before writers wait.
+SEND_HIGH_WATER = 1024 * 1024
+SEND_LOW_WATER = 256 * 1024
+
+Buffer = bytes | bytearray | memoryview
+_Handler = Callable[["SocketStream"], Awaitable[None]]
+
+
+class ByteStream(ABC):
+    """A half-closeable, bidirectional byte stream."""
+
+    @abstractmethod
+    async def receive(self, max_bytes: int = DEFAULT_RECEIVE_BYTES) -> bytes:
+        """Next chunk of at most `max_bytes`; b"" once the peer sent EOF."""
+
+    @abstractmethod
+    async def send(self, data: Buffer) -> None:
+        """Send all of `data`, waiting while the peer is slow."""
+
+    @abstractmethod
+    async def send_eof(self) -> None:
+        """Finish our direction; receiving goes on."""
+
+    @abstractmethod
+    async def aclose(self) -> None:
+        """Close both directions and release resources. Idempotent."""
+
+    async def __aenter__(self) -> ByteStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+class Wire(Protocol):
+    """What a protocol driver needs below it: ordered synchronous writes, a drain, reads."""
+
+    def write(self, data: Buffer) -> None: ...
+
+    def writelines(self, data: Iterable[Buffer]) -> None: ...
+
+    async def drain(self) -> None: ...
+
+    async def receive(self, max_bytes: int = DEFAULT_RECEIVE_BYTES) -> bytes: ...
+
+    async def aclose(self) -> None: ...
+
+
+class _StreamProtocol(asyncio.Protocol):
+    """asyncio Protocol feeding a SocketStream, with flow control in both directions."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self._chunks: collections.deque[bytes] = collections.deque()
+        self._buffered = 0
+        self._eof = False
+        self._error: BaseException | None = None
+        self._reading_paused = False
+        self._data_waiter: asyncio.Future[None] | None = None
+        self._drain_waiter: asyncio.Future[None] | None = None
+        self._writing_paused = False
+        self.closed = asyncio.get_running_loop().create_future()
+
+    # -- asyncio callbacks
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        transport.set_write_buffer_limits(SEND_HIGH_WATER, SEND_LOW_WATER)
+
+    def data_received(self, data: bytes) -> None:
+        self._chunks.append(data)
+        self._buffered += len(data)
+        if self._buffered > RECEIVE_HIGH_WATER and not self._reading_paused:
+            assert self.transport is not None
+            self._reading_paused = True
+            self.transport.pause_reading()
+        self._wake_reader()
+
+    def eof_received(self) -> bool:
+        self._eof = True
+        self._wake_reader()
+        return True  # keep our sending half open
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if exc is not None and self._error is None:
+            self._error = exc
+        self._eof = True
+        self._wake_reader()
+        if self._drain_waiter is not None and not self._drain_waiter.done():
+            self._drain_waiter.set_result(None)
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+    def pause_writing(self) -> None:
+        self._writing_paused = True
+
+    def resume_writing(self) -> None:
+        self._writing_paused = False
+        if self._drain_waiter is not None and not self._drain_waiter.done():
+            self._drain_waiter.set_result(None)
+
+    # -- helpers for SocketStream
+    def _wake_reader(self) -> None:
+        if self._data_waiter is not None and not self._data_waiter.done():
+            self._data_waiter.set_result(None)
+
+    async def read(self, max_bytes: int) -> bytes:
+        while not self._chunks:
+            if self._eof:
+                if self._error is not None:
+                    raise BrokenStreamError(str(self._error)) from self._error
+                return b""
+            self._data_waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._data_waiter
+            finally:
+                self._data_waiter = None
+        chunk = self._chunks.popleft()
+        if len(chunk) > max_bytes:
+            self._chunks.appendleft(chunk[max_bytes:])
+            chunk = chunk[:max_bytes]
+        elif len(self._chunks) and len(chunk) < max_bytes:
+            # Coalesce small chunks so framed protocols see fewer, larger reads.
+            parts = [chunk]
+            size = len(chunk)
+            while self._chunks and size + len(self._chunks[0]) <= max_bytes:
+                nxt = self._chunks.popleft()
+                parts.append(nxt)
+                size += len(nxt)
+            chunk = b"".join(parts)
+        self._buffered -= len(chunk)
+        if self._reading_paused and self._buffered <= RECEIVE_HIGH_WATER // 4:
+            assert self.transport is not None
+            self._reading_paused = False
+            self.transport.resume_reading()
+        return chunk
+
+    def unread(self, data: bytes) -> None:
+        """Put bytes back in front (what followed an HTTP request head)."""
+        if data:
+            self._chunks.appendleft(data)
+            self._buffered += len(data)
+            self._wake_reader()
+
+    async def drain(self) -> None:
+        if self.transport is None or self.transport.is_closing():
+            if self._error is not None:
+                raise BrokenStreamError(str(self._error))
+            if self.transport is not None and self.closed.done():
+                raise ClosedStreamError("connection closed")
+            return
+        if not self._writing_paused:
+            return
+        self._drain_waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._drain_waiter
+        finally:
+            self._drain_waiter = None
+        if self._error is not None:
+            raise BrokenStreamError(str(self._error))
+
+
+class SocketStream(ByteStream):
+    """A ByteStream (and Wire) over an asyncio transport: TCP, TLS or a unix socket."""
+
+    def __init__(self, protocol: _StreamProtocol) -> None:
+        assert protocol.transport is not None
+        self._protocol = protocol
+        self.transport: asyncio.Transport = protocol.transport
+        self._eof_sent = False
+        self._closed = False
+
+    # -- constructors
+    @classmethod
+    async def connect(
+        cls,
+        host: str,
+        port: int,
+        *,
+        ssl_context: ssl.SSLContext | None = None,
+        server_hostname: str | None = None,
+    ) -> SocketStream:
+        loop = asyncio.get_running_loop()
+        with map_os_errors():
+            _, proto = await loop.create_connection(
+                _StreamProtocol,
+                host,
+                port,
+                ssl=ssl_context,
+                server_hostname=server_hostname if ssl_context else None,
+            )
+        stream = cls(proto)
+        stream.set_nodelay()
+        return stream
+
+    @classmethod
+    async def from_socket(cls, sock: socket.socket) -> SocketStream:
+        """Adopt an already connected socket (e.g. one made inside a pod's netns)."""
+        loop = asyncio.get_running_loop()
+        with map_os_errors():
+            _, proto = await loop.connect_accepted_socket(_StreamProtocol, sock)
+        stream = cls(proto)
+        stream.set_nodelay()
+        return stream
+
+    @staticmethod
+    def protocol_factory() -> _StreamProtocol:
+        return _StreamProtocol()
+
+    # -- ByteStream
+    async def receive(self, max_bytes: int = DEFAULT_RECEIVE_BYTES) -> bytes:
+        if self._closed:
+            raise ClosedStreamError("stream is closed")
+        return await self._protocol.read(max_bytes)
+
+    async def send(self, data: Buffer) -> None:
+        self.write(data)
+        await self.drain()
+
+    async def send_eof(self) -> None:
+        if self._eof_sent or self._closed:
+            return
+        self._eof_sent = True
+        if self.transport.can_write_eof() and not self.transport.is_closing():
+            try:
+                self.transport.write_eof()
+            except OSError as exc:
+                raise BrokenStreamError(str(exc)) from exc
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.transport.close()
+        await asyncio.shield(self._protocol.closed)
+
+    def abort(self) -> None:
+        """Close at once, discarding unsent data (a reset for TCP peers)."""
+        self._closed = True
+        self.transport.abort()
+
+    # -- Wire
+    def write(self, data: Buffer) -> None:
+        if self._eof_sent or self._closed:
+            raise ClosedStreamError("write after EOF or close")
+        if self.transport.is_closing():
+            raise BrokenStreamError("connection lost")
+        self.transport.write(data)
+
+    def writelines(self, data: Iterable[Buffer]) -> None:
+        if self._eof_sent or self._closed:
+            raise ClosedStreamError("write after EOF or close")
+        if self.transport.is_closing():
+            raise BrokenStreamError("connection lost")
+        self.transport.writelines(data)
+
+    async def drain(self) -> None:
+        await self._protocol.drain()
+
+    def unread(self, data: bytes) -> None:
+        self._protocol.unread(data)
+
+    # -- details
+    def set_nodelay(self) -> None:
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+
+    @property
+    def peername(self) -> object:
+        return self.transport.get_extra_info("peername")
+
+    @property
+    def at_eof(self) -> bool:
+        return self._protocol._eof and not self._protocol._chunks
+
+    async def wait_closed(self) -> None:
+        await asyncio.shield(self._protocol.closed)
+
+
+async def start_server(
+    handler: _Handler,
+    host: str,
+    port: int,
+    *,
+    ssl_context: ssl.SSLContext | None = None,
+    backlog: int = 1024,
+) -> asyncio.Server:
+    """Listen on host:port and run `handler(stream)` in a task for each connection."""
+    loop = asyncio.get_running_loop()
+    tasks: set[asyncio.Task[None]] = set()
+
+    def factory() -> _StreamProtocol:
+        proto = _AcceptingProtocol(handler, tasks)
+        return proto
+
+    return await loop.create_server(factory, host, port, ssl=ssl_context, backlog=backlog)
+
+
+class _AcceptingProtocol(_StreamProtocol):
+    def __init__(self, handler: _Handler, tasks: set[asyncio.Task[None]]) -> None:
+        super().__init__()
+        self._handler = handler
+        self._tasks = tasks
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        stream = SocketStream(self)
+        stream.set_nodelay()
+        task = asyncio.get_running_loop().create_task(
+            _run_handler(self._handler, stream), name=f"conn {stream.peername}"
+        )
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+async def _run_handler(handler: _Handler, stream: SocketStream) -> None:
+    try:
+        await handler(stream)
+    finally:
+        await stream.aclose()

@@ -1,0 +1,239 @@
+"""asyncio drivers for the WebSocket channel protocols and the SPDY-in-WebSocket tunnel."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+from collections.abc import Iterable
+
+from podgate.aio.errors import BrokenStreamError, ClosedStreamError, StreamError
+from podgate.aio.streams import DEFAULT_RECEIVE_BYTES, Buffer, ByteStream, SocketStream
+from podgate.proto.errors import ProtocolError
+from podgate.proto.wschannel import (
+    ChannelClosed,
+    ChannelConnection,
+    ChannelData,
+    CloseReceived,
+    TunnelConnection,
+    TunnelData,
+)
+
+log = logging.getLogger(__name__)
+
+# Received bytes one channel may hold unread before the connection stops reading.
+MAX_QUEUED_BYTES_PER_CHANNEL = 2 * 1024 * 1024
+# Largest payload put in one outgoing WebSocket message.
+SEND_MESSAGE_BYTES = 256 * 1024
+# After our close frame, how long to wait for the peer's before dropping the connection.
+CLOSE_HANDSHAKE_SECONDS = 2.0
+
+
+class ChannelStream(ByteStream):
+    """One numbered channel of a WebSocket channel session."""
+
+    def __init__(self, session: ChannelSession, channel: int) -> None:
+        self.session = session
+        self.channel = channel
+        self._chunks: collections.deque[bytes] = collections.deque()
+        self._queued = 0
+        self._eof = False
+        self._eof_sent = False
+        self._closed = False
+        self._readable = asyncio.Event()
+        self._writable = asyncio.Event()
+        self._writable.set()
+
+    async def receive(self, max_bytes: int = DEFAULT_RECEIVE_BYTES) -> bytes:
+        while not self._chunks:
+            if self._eof:
+                return b""
+            if self._closed:
+                raise ClosedStreamError("channel is closed")
+            self._readable.clear()
+            await self._readable.wait()
+        chunk = self._chunks.popleft()
+        if len(chunk) > max_bytes:
+            self._chunks.appendleft(chunk[max_bytes:])
+            chunk = chunk[:max_bytes]
+        self._queued -= len(chunk)
+        if self._queued <= MAX_QUEUED_BYTES_PER_CHANNEL:
+            self._writable.set()
+        return chunk
+
+    async def send(self, data: Buffer) -> None:
+        if self._eof_sent or self._closed:
+            raise ClosedStreamError("write on closed channel")
+        view = memoryview(data)
+        for start in range(0, len(view), SEND_MESSAGE_BYTES):
+            self.session.send_nowait(self.channel, view[start : start + SEND_MESSAGE_BYTES])
+            await self.session.drain()
+
+    async def send_eof(self) -> None:
+        """v5 clients signal it with a CLOSE message; elsewhere the channel just goes quiet."""
+        if self._eof_sent or self._closed:
+            return
+        self._eof_sent = True
+        self.session.close_channel_nowait(self.channel)
+        with contextlib.suppress(StreamError):
+            await self.session.drain()
+
+    async def aclose(self) -> None:
+        self._closed = True
+        self._chunks.clear()
+        self._readable.set()
+        self._writable.set()
+
+    async def _feed(self, data: bytes) -> None:
+        if self._closed or self._eof:
+            return
+        self._chunks.append(data)
+        self._queued += len(data)
+        self._readable.set()
+        if self._queued > MAX_QUEUED_BYTES_PER_CHANNEL:
+            self._writable.clear()
+            await self._writable.wait()
+
+    def _end(self) -> None:
+        self._eof = True
+        self._readable.set()
+
+
+class ChannelSession:
+    """Runs a ChannelConnection over a socket; channels are ByteStreams."""
+
+    def __init__(self, wire: SocketStream, core: ChannelConnection, *, name: str = "ws") -> None:
+        self._wire = wire
+        self._core = core
+        self._channels: dict[int, ChannelStream] = {}
+        self.name = name
+        self.close_code: int | None = None
+        self.broken: BrokenStreamError | None = None
+        self.done = asyncio.Event()
+
+    @property
+    def protocol(self) -> str:
+        return self._core.protocol
+
+    def stream(self, channel: int) -> ChannelStream:
+        stream = self._channels.get(channel)
+        if stream is None:
+            stream = self._channels[channel] = ChannelStream(self, channel)
+        return stream
+
+    async def run(self) -> None:
+        try:
+            while True:
+                data = await self._wire.receive()
+                try:
+                    events = self._core.receive_data(data if data else None)
+                except ProtocolError as exc:
+                    log.warning("%s: protocol error from peer: %s", self.name, exc)
+                    self._flush()
+                    break
+                for event in events:
+                    if isinstance(event, ChannelData):
+                        if event.data:
+                            await self.stream(event.channel)._feed(event.data)
+                    elif isinstance(event, ChannelClosed):
+                        self.stream(event.channel)._end()
+                    elif isinstance(event, CloseReceived):
+                        self.close_code = event.code
+                self._flush()
+                if not data or self.close_code is not None:
+                    break
+        except StreamError as exc:
+            self.broken = BrokenStreamError(str(exc))
+        finally:
+            for stream in self._channels.values():
+                stream._end()
+            self.done.set()
+
+    def send_nowait(self, channel: int, data: Buffer) -> None:
+        if self.broken is not None:
+            raise self.broken
+        self._core.send(channel, bytes(data))
+        self._flush()
+
+    def send_ready(self, channel: int) -> None:
+        self._core.send_ready(channel)
+        self._flush()
+
+    def close_channel_nowait(self, channel: int) -> None:
+        if self._core.can_close_channels:
+            self._core.close_channel(channel)
+            self._flush()
+
+    async def drain(self) -> None:
+        if self.broken is not None:
+            raise self.broken
+        await self._wire.drain()
+
+    def _flush(self) -> None:
+        out = self._core.data_to_send()
+        if out and self.broken is None:
+            try:
+                self._wire.write(out)
+            except StreamError as exc:
+                self.broken = BrokenStreamError(str(exc))
+
+    async def aclose(self, code: int = 1000, reason: str = "") -> None:
+        """Send a close frame (1000 is what kubectl needs to see EOF), then drop the socket."""
+        if self.broken is None and self.close_code is None:
+            with contextlib.suppress(ProtocolError, StreamError):
+                self._core.close(code, reason)
+                self._flush()
+                await self._wire.drain()
+                await self._wire.send_eof()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.done.wait(), CLOSE_HANDSHAKE_SECONDS)
+        await self._wire.aclose()
+
+
+class TunnelWire:
+    """The SPDY byte stream carried in WebSocket binary messages, as a Wire for SpdySession."""
+
+    def __init__(self, wire: SocketStream, core: TunnelConnection) -> None:
+        self._wire = wire
+        self._core = core
+        self._closed = False
+
+    def write(self, data: Buffer) -> None:
+        self._core.send(bytes(data))
+        self._wire.write(self._core.data_to_send())
+
+    def writelines(self, data: Iterable[Buffer]) -> None:
+        # One message per batch: message boundaries mean nothing inside the tunnel.
+        self._core.send(b"".join(data))
+        self._wire.write(self._core.data_to_send())
+
+    async def drain(self) -> None:
+        await self._wire.drain()
+
+    async def receive(self, max_bytes: int = DEFAULT_RECEIVE_BYTES) -> bytes:
+        while True:
+            data = await self._wire.receive(max_bytes)
+            try:
+                events = self._core.receive_data(data if data else None)
+            except ProtocolError as exc:
+                raise BrokenStreamError(f"websocket tunnel: {exc}") from exc
+            out = self._core.data_to_send()
+            if out:
+                with contextlib.suppress(StreamError):
+                    self._wire.write(out)
+            payload = b"".join(e.data for e in events if isinstance(e, TunnelData))
+            if payload:
+                return payload
+            if not data or any(isinstance(e, CloseReceived) for e in events):
+                return b""
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(ProtocolError, StreamError):
+            self._core.close(1000)
+            self._wire.write(self._core.data_to_send())
+            await self._wire.drain()
+        await self._wire.aclose()

@@ -1,0 +1,392 @@
+"""Client side of every streaming protocol: exec/attach and port-forward, SPDY and WebSocket.
+
+The `podgate exec/attach/port-forward` commands and the tests build on these. Each call
+connects, performs the HTTP upgrade, and runs the session the way client-go does (stream order,
+pings, half-closes), so a podgate client talks to a real API server as kubectl would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import os
+import ssl
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from urllib.parse import quote
+
+from podgate.aio.errors import BrokenStreamError, StreamError
+from podgate.aio.spdy import SpdySession, SpdyStream
+from podgate.aio.streams import ByteStream, SocketStream
+from podgate.aio.wschannel import ChannelSession, TunnelWire
+from podgate.proto import k8s
+from podgate.proto import portforward as pf
+from podgate.proto import remotecommand as rc
+from podgate.proto.errors import ProtocolError
+from podgate.proto.spdy import Role
+from podgate.proto.upgrade import (
+    ClientHandshake,
+    UpgradeResponse,
+    build_spdy_request,
+    build_ws_request,
+)
+from podgate.proto.wschannel import ChannelConnection, PortForwardChannels, TunnelConnection
+from podgate.proto.wschannel import Role as WsRole
+
+# What client-go offers, in its order.
+EXEC_SPDY_PROTOCOLS = (
+    "v5.channel.k8s.io",
+    "v4.channel.k8s.io",
+    "v3.channel.k8s.io",
+    "v2.channel.k8s.io",
+    "channel.k8s.io",
+)
+EXEC_WS_PROTOCOLS = ("v5.channel.k8s.io",)
+TUNNEL_PROTOCOL = "SPDY/3.1+portforward.k8s.io"
+# client-go's ping periods: direct SPDY and inside the WebSocket tunnel.
+SPDY_PING_SECONDS = 5.0
+TUNNEL_PING_SECONDS = 10.0
+# Longest upgrade response head accepted.
+UPGRADE_TIMEOUT_SECONDS = 30.0
+
+
+class UpgradeError(Exception):
+    """The server refused the upgrade; `status` is its HTTP status (0: no answer)."""
+
+    def __init__(self, message: str, status: int = 0, body: bytes = b"") -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = body
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """Where the API (or a streaming server) is, and how to authenticate to it."""
+
+    host: str
+    port: int
+    ssl_context: ssl.SSLContext | None = None
+    server_hostname: str | None = None
+    headers: tuple[tuple[str, str], ...] = field(default=())
+
+    @property
+    def authority(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+
+def pod_path(namespace: str, pod: str, subresource: str) -> str:
+    return f"/api/v1/namespaces/{quote(namespace)}/pods/{quote(pod)}/{subresource}"
+
+
+def exec_query(
+    command: Sequence[str] = (),
+    *,
+    container: str | None = None,
+    stdin: bool = False,
+    stdout: bool = True,
+    stderr: bool = True,
+    tty: bool = False,
+) -> str:
+    """The query kubectl sends: repeated `command`, only true booleans, keys sorted."""
+    pairs = [("command", c) for c in command]
+    if container:
+        pairs.append(("container", container))
+    for name, value in (("stderr", stderr and not tty), ("stdin", stdin), ("stdout", stdout)):
+        if value:
+            pairs.append((name, "true"))
+    if tty:
+        pairs.append(("tty", "true"))
+    return "&".join(f"{k}={quote(v, safe='')}" for k, v in pairs)
+
+
+async def _upgrade(
+    endpoint: Endpoint, request: bytes, handshake: ClientHandshake
+) -> tuple[SocketStream, UpgradeResponse]:
+    conn = await SocketStream.connect(
+        endpoint.host,
+        endpoint.port,
+        ssl_context=endpoint.ssl_context,
+        server_hostname=endpoint.server_hostname or endpoint.host,
+    )
+    try:
+        conn.write(request)
+        async with asyncio.timeout(UPGRADE_TIMEOUT_SECONDS):
+            while True:
+                data = await conn.receive()
+                if not data:
+                    raise UpgradeError("unexpected EOF")
+                response = handshake.receive_data(data)
+                if response is not None:
+                    break
+    except BaseException:
+        await conn.aclose()
+        raise
+    if not response.upgraded:
+        await conn.aclose()
+        raise UpgradeError(
+            response.error or f"upgrade refused ({response.status})", response.status, response.body
+        )
+    conn.unread(handshake.trailing_data)
+    return conn, response
+
+
+async def connect_spdy(
+    endpoint: Endpoint, path: str, protocols: Sequence[str]
+) -> tuple[SpdySession, str, asyncio.Task[None]]:
+    """POST + Upgrade: SPDY/3.1; returns the running session and the negotiated protocol."""
+    request = build_spdy_request(
+        "POST", path, endpoint.authority, list(protocols), list(endpoint.headers)
+    )
+    conn, response = await _upgrade(endpoint, request, ClientHandshake())
+    session = SpdySession(conn, Role.CLIENT, ping_interval=SPDY_PING_SECONDS, idle_timeout=None)
+    reader = asyncio.create_task(session.run(), name=f"spdy client {path}")
+    return session, response.protocol or "", reader
+
+
+async def connect_websocket(
+    endpoint: Endpoint, path: str, protocols: Sequence[str]
+) -> tuple[SocketStream, str]:
+    key = base64.b64encode(os.urandom(16)).decode()
+    request = build_ws_request(
+        path, endpoint.authority, list(protocols), key, list(endpoint.headers)
+    )
+    conn, response = await _upgrade(endpoint, request, ClientHandshake(ws_key=key))
+    if response.protocol not in protocols:
+        await conn.aclose()
+        raise UpgradeError(f"invalid protocol, expected one of {list(protocols)}", 101)
+    return conn, response.protocol or ""
+
+
+# --------------------------------------------------------------------------- exec / attach
+
+
+@dataclass(slots=True)
+class ExecResult:
+    exit_code: int
+    error: str | None = None
+
+
+async def _pump_in(src: ByteStream | None, dst: ByteStream) -> None:
+    try:
+        if src is not None:
+            while chunk := await src.receive():
+                await dst.send(chunk)
+        await dst.send_eof()
+    except StreamError:
+        pass
+
+
+async def _pump_out(src: ByteStream, dst: ByteStream | None) -> None:
+    with contextlib.suppress(StreamError):
+        while chunk := await src.receive():
+            if dst is not None:
+                await dst.send(chunk)
+
+
+async def _pump_resizes(sizes: AsyncIterator[rc.TerminalSize], dst: ByteStream) -> None:
+    with contextlib.suppress(StreamError):
+        async for size in sizes:
+            await dst.send(rc.encode_resize(size.width, size.height))
+
+
+def _result_from_status(payload: bytes, protocol: str) -> ExecResult:
+    if not rc.status_is_json(protocol):
+        if payload:
+            return ExecResult(
+                1, f"error executing remote command: {payload.decode(errors='replace')}"
+            )
+        return ExecResult(0)
+    result = k8s.decode_exec_status(payload)
+    if result.error is not None and result.exit_code is None:
+        return ExecResult(1, result.error)
+    return ExecResult(result.exit_code or 0, result.error)
+
+
+async def exec_spdy(
+    endpoint: Endpoint,
+    path: str,
+    *,
+    stdin: ByteStream | None = None,
+    stdout: ByteStream | None = None,
+    stderr: ByteStream | None = None,
+    tty: bool = False,
+    resizes: AsyncIterator[rc.TerminalSize] | None = None,
+    protocols: Sequence[str] = EXEC_SPDY_PROTOCOLS,
+    want_stdin: bool | None = None,
+) -> ExecResult:
+    """Run an exec/attach over SPDY. `path` includes the query (see exec_query)."""
+    session, protocol, reader = await connect_spdy(endpoint, path, protocols)
+    try:
+        error = await session.open_stream({"streamtype": "error"})
+        opened: dict[str, SpdyStream] = {}
+        has_stdin = want_stdin if want_stdin is not None else stdin is not None
+        if has_stdin:
+            opened["stdin"] = await session.open_stream({"streamtype": "stdin"})
+        opened["stdout"] = await session.open_stream({"streamtype": "stdout"})
+        if not tty:
+            opened["stderr"] = await session.open_stream({"streamtype": "stderr"})
+        elif rc.supports_resize(protocol):
+            opened["resize"] = await session.open_stream({"streamtype": "resize"})
+        tasks = [asyncio.create_task(_pump_out(opened["stdout"], stdout))]
+        if "stderr" in opened:
+            tasks.append(asyncio.create_task(_pump_out(opened["stderr"], stderr)))
+        helpers = []
+        if "stdin" in opened:
+            helpers.append(asyncio.create_task(_pump_in(stdin, opened["stdin"])))
+        if "resize" in opened and resizes is not None:
+            helpers.append(asyncio.create_task(_pump_resizes(resizes, opened["resize"])))
+        await asyncio.gather(*tasks)
+        payload = b""
+        with contextlib.suppress(StreamError):
+            while chunk := await error.receive():
+                payload += chunk
+        for task in helpers:
+            task.cancel()
+        return _result_from_status(payload, protocol)
+    finally:
+        await session.aclose()
+        reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reader
+
+
+async def exec_websocket(
+    endpoint: Endpoint,
+    path: str,
+    *,
+    stdin: ByteStream | None = None,
+    stdout: ByteStream | None = None,
+    stderr: ByteStream | None = None,
+    tty: bool = False,
+    resizes: AsyncIterator[rc.TerminalSize] | None = None,
+    protocols: Sequence[str] = EXEC_WS_PROTOCOLS,
+) -> ExecResult:
+    """Run an exec/attach over the WebSocket channel protocol (kubectl's v5 by default)."""
+    conn, protocol = await connect_websocket(endpoint, path, protocols)
+    channels = ChannelSession(conn, ChannelConnection(WsRole.CLIENT, protocol), name="ws exec")
+    reader = asyncio.create_task(channels.run(), name="ws exec client read loop")
+    helpers: list[asyncio.Task[None]] = []
+    try:
+        if stdin is not None:
+            helpers.append(asyncio.create_task(_pump_in(stdin, channels.stream(0))))
+        if resizes is not None:
+            helpers.append(asyncio.create_task(_pump_resizes(resizes, channels.stream(4))))
+        outs = [
+            asyncio.create_task(_pump_out(channels.stream(1), stdout)),
+            asyncio.create_task(_pump_out(channels.stream(2), stderr)),
+        ]
+        payload = b""
+        status_channel = channels.stream(3)
+        with contextlib.suppress(StreamError):
+            while chunk := await status_channel.receive():
+                payload += chunk
+        await asyncio.gather(*outs)
+        await reader
+        if channels.close_code not in (1000, None) or channels.broken is not None:
+            code = channels.close_code
+            raise BrokenStreamError(f"websocket closed abnormally ({code})")
+        return _result_from_status(payload, protocol)
+    finally:
+        for task in helpers:
+            task.cancel()
+        reader.cancel()
+        await channels.aclose()
+
+
+# --------------------------------------------------------------------------- port-forward
+
+
+@dataclass(slots=True)
+class ForwardedStream:
+    """One forwarded connection: its data stream and the server's error text, if any."""
+
+    data: SpdyStream
+    error_stream: SpdyStream
+    request_id: str
+
+    async def error(self) -> str:
+        """The error text the server wrote ("" when the connection ended cleanly)."""
+        parts = []
+        with contextlib.suppress(StreamError):
+            while chunk := await self.error_stream.receive():
+                parts.append(chunk)
+        return b"".join(parts).decode(errors="replace")
+
+
+class PortForwardSession:
+    """A port-forward connection over SPDY (direct or tunnelled); one stream pair per open()."""
+
+    def __init__(self, session: SpdySession, reader: asyncio.Task[None]) -> None:
+        self.session = session
+        self._reader = reader
+        self._ids = pf.PortForwardRequestIds()
+        self._open_lock = asyncio.Lock()
+
+    @classmethod
+    async def connect(
+        cls, endpoint: Endpoint, path: str, *, websocket: bool = False
+    ) -> PortForwardSession:
+        if not websocket:
+            session, protocol, reader = await connect_spdy(
+                endpoint, path, [pf.PORTFORWARD_PROTOCOL]
+            )
+            if protocol != pf.PORTFORWARD_PROTOCOL:
+                await session.aclose()
+                raise UpgradeError(
+                    f'unable to negotiate protocol: client supports "{pf.PORTFORWARD_PROTOCOL}", '
+                    f'server returned "{protocol}"'
+                )
+            return cls(session, reader)
+        conn, _ = await connect_websocket(endpoint, path, [TUNNEL_PROTOCOL])
+        wire = TunnelWire(conn, TunnelConnection(WsRole.CLIENT))
+        session = SpdySession(
+            wire, Role.CLIENT, ping_interval=TUNNEL_PING_SECONDS, idle_timeout=None
+        )
+        reader = asyncio.create_task(session.run(), name=f"tunnel client {path}")
+        return cls(session, reader)
+
+    async def open(self, port: int) -> ForwardedStream:
+        """Open an error+data pair for `port` as client-go does (one at a time)."""
+        async with self._open_lock:
+            request_id = self._ids.next()
+            error = await self.session.open_stream(pf.stream_headers("error", port, request_id))
+            await error.send_eof()
+            data = await self.session.open_stream(pf.stream_headers("data", port, request_id))
+        return ForwardedStream(data, error, request_id)
+
+    async def aclose(self) -> None:
+        await self.session.aclose()
+        self._reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._reader
+
+
+async def portforward_websocket(
+    endpoint: Endpoint, path: str, ports: Sequence[int]
+) -> tuple[ChannelSession, dict[int, ByteStream], asyncio.Task[None]]:
+    """v4 channel port-forward (the Python client's way): one stream per port."""
+    query = "&".join(f"ports={p}" for p in ports)
+    conn, protocol = await connect_websocket(endpoint, f"{path}?{query}", ["v4.channel.k8s.io"])
+    core = ChannelConnection(
+        WsRole.CLIENT, protocol, port_channels=PortForwardChannels(list(ports), WsRole.CLIENT)
+    )
+    channels = ChannelSession(conn, core, name="ws portforward")
+    reader = asyncio.create_task(channels.run(), name="ws pf client read loop")
+    return channels, {p: channels.stream(2 * i) for i, p in enumerate(ports)}, reader
+
+
+__all__ = [
+    "Endpoint",
+    "ExecResult",
+    "ForwardedStream",
+    "PortForwardSession",
+    "ProtocolError",
+    "UpgradeError",
+    "exec_query",
+    "exec_spdy",
+    "exec_websocket",
+    "pod_path",
+    "portforward_websocket",
+]

@@ -1,0 +1,250 @@
+"""A StreamTarget whose "pod" is this host: commands run as local processes, ports are loopback.
+
+It serves the demo (`podgate demo`) and the protocol tests with real processes and real
+sockets; the runtime supplies the namespace-backed target with the same interface.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import logging
+import os
+import pty
+import signal
+import struct
+import termios
+from collections.abc import Mapping, Sequence
+
+from podgate.aio.errors import ConnectError, StreamError
+from podgate.aio.streams import ByteStream, SocketStream
+from podgate.streaming.target import ExecIO, PodRef, TargetError
+
+log = logging.getLogger(__name__)
+
+# Read size for a process's pipes and pty.
+PIPE_READ_BYTES = 64 * 1024
+# How long output may keep flowing after the process exited (grandchildren holding the pipe).
+OUTPUT_DRAIN_SECONDS = 2.0
+
+
+class LocalTarget:
+    """Pods are local: exec runs processes, open_port dials 127.0.0.1 (then ::1)."""
+
+    def __init__(
+        self,
+        *,
+        port_map: Mapping[int, int] | None = None,
+        attach_command: Sequence[str] = ("cat",),
+        cwd: str | None = None,
+    ) -> None:
+        self.port_map = dict(port_map or {})
+        self.attach_command = tuple(attach_command)
+        self.cwd = cwd
+        self._attach_lock = asyncio.Lock()
+
+    async def open_port(self, pod: PodRef, port: int) -> ByteStream:
+        local = self.port_map.get(port, port)
+        errors = []
+        for host in ("127.0.0.1", "::1"):
+            try:
+                return await SocketStream.connect(host, local)
+            except ConnectError as exc:
+                errors.append(f"dial tcp {host}:{local}: {exc}")
+        raise TargetError(
+            f'failed to connect to localhost:{port} inside pod "{pod}": ' + "; ".join(errors)
+        )
+
+    async def exec(
+        self, pod: PodRef, container: str | None, command: Sequence[str], io: ExecIO
+    ) -> int:
+        if not command:
+            raise TargetError("no command given")
+        return await run_process(command, io, cwd=self.cwd)
+
+    async def attach(self, pod: PodRef, container: str | None, io: ExecIO) -> int:
+        # One attached session at a time; the process gets stdin once, as a container with
+        # stdinOnce does, and is started afresh for the next attach.
+        async with self._attach_lock:
+            return await run_process(self.attach_command, io, cwd=self.cwd)
+
+
+async def run_process(command: Sequence[str], io: ExecIO, *, cwd: str | None = None) -> int:
+    """Run a command with `io` as stdio (a pty when io.tty) and return its exit code.
+
+    Exit codes follow the shell convention for signals (128 + signal number), as runtimes do.
+    """
+    try:
+        if io.tty:
+            return await _run_pty(command, io, cwd)
+        return await _run_pipes(command, io, cwd)
+    except FileNotFoundError as exc:
+        raise TargetError(f'exec: "{command[0]}": executable file not found in $PATH') from exc
+    except PermissionError as exc:
+        raise TargetError(f'exec: "{command[0]}": permission denied') from exc
+
+
+def _exit_code(returncode: int) -> int:
+    return 128 - returncode if returncode < 0 else returncode
+
+
+async def _copy_in(src: ByteStream, dst: asyncio.StreamWriter) -> None:
+    try:
+        while chunk := await src.receive():
+            dst.write(chunk)
+            await dst.drain()
+    except (StreamError, ConnectionError):
+        pass
+    finally:
+        with contextlib.suppress(OSError, RuntimeError):
+            dst.close()
+
+
+async def _copy_out(src: asyncio.StreamReader, dst: ByteStream | None) -> None:
+    while chunk := await src.read(PIPE_READ_BYTES):
+        if dst is not None:
+            try:
+                await dst.send(chunk)
+            except StreamError:
+                dst = None  # the client went away; keep draining so the process never blocks
+
+
+async def _run_pipes(command: Sequence[str], io: ExecIO, cwd: str | None) -> int:
+    proc = await asyncio.create_subprocess_exec(
+        *command,
+        stdin=asyncio.subprocess.PIPE if io.stdin else asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        cwd=cwd,
+        start_new_session=True,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    feeder = None
+    if io.stdin is not None:
+        assert proc.stdin is not None
+        feeder = asyncio.create_task(_copy_in(io.stdin, proc.stdin), name="exec stdin")
+    outputs = asyncio.gather(_copy_out(proc.stdout, io.stdout), _copy_out(proc.stderr, io.stderr))
+    try:
+        returncode = await proc.wait()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(outputs), OUTPUT_DRAIN_SECONDS)
+    finally:
+        if proc.returncode is None:
+            _kill_group(proc.pid)
+            await proc.wait()
+        outputs.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await outputs
+        if feeder is not None:
+            feeder.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await feeder
+    return _exit_code(returncode)
+
+
+def _kill_group(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def set_winsize(fd: int, width: int, height: int) -> None:
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", height, width, 0, 0))
+
+
+async def _run_pty(command: Sequence[str], io: ExecIO, cwd: str | None) -> int:
+    loop = asyncio.get_running_loop()
+    master, slave = pty.openpty()
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *command,
+            stdin=slave,
+            stdout=slave,
+            stderr=slave,
+            cwd=cwd,
+            start_new_session=True,
+            preexec_fn=_make_controlling_tty,
+        )
+    finally:
+        os.close(slave)
+    os.set_blocking(master, False)
+    output_done = loop.create_future()
+
+    def on_readable() -> None:
+        try:
+            data = os.read(master, PIPE_READ_BYTES)
+        except OSError:  # EIO once the last slave fd is closed
+            data = b""
+        if not data:
+            loop.remove_reader(master)
+            if not output_done.done():
+                output_done.set_result(None)
+            return
+        queue.put_nowait(data)
+
+    queue: asyncio.Queue[bytes] = asyncio.Queue()
+    loop.add_reader(master, on_readable)
+
+    async def forward_output() -> None:
+        out = io.stdout
+        while True:
+            getter = asyncio.ensure_future(queue.get())
+            done, _ = await asyncio.wait({getter, output_done}, return_when=asyncio.FIRST_COMPLETED)
+            if getter not in done:
+                getter.cancel()
+                while not queue.empty():
+                    chunk = queue.get_nowait()
+                    if out is not None:
+                        with contextlib.suppress(StreamError):
+                            await out.send(chunk)
+                return
+            if out is not None:
+                try:
+                    await out.send(getter.result())
+                except StreamError:
+                    out = None
+
+    async def forward_input() -> None:
+        assert io.stdin is not None
+        with contextlib.suppress(StreamError):
+            while chunk := await io.stdin.receive():
+                view = memoryview(chunk)
+                while view:
+                    try:
+                        view = view[os.write(master, view) :]
+                    except BlockingIOError:
+                        await asyncio.sleep(0.005)
+
+    async def apply_resizes() -> None:
+        assert io.resizes is not None
+        async for size in io.resizes:
+            with contextlib.suppress(OSError):
+                set_winsize(master, size.width, size.height)
+
+    helpers = []
+    if io.stdin is not None:
+        helpers.append(asyncio.create_task(forward_input(), name="pty stdin"))
+    if io.resizes is not None:
+        helpers.append(asyncio.create_task(apply_resizes(), name="pty resize"))
+    output = asyncio.create_task(forward_output(), name="pty output")
+    try:
+        returncode = await proc.wait()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(output), OUTPUT_DRAIN_SECONDS)
+    finally:
+        if proc.returncode is None:
+            _kill_group(proc.pid)
+            await proc.wait()
+        loop.remove_reader(master)
+        for task in [*helpers, output]:
+            task.cancel()
+        for task in [*helpers, output]:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        os.close(master)
+    return _exit_code(returncode)
+
+
+def _make_controlling_tty() -> None:
+    # Runs in the child after setsid(): make stdin (the pty slave) the controlling terminal.
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)

@@ -1,0 +1,135 @@
+"""Port-forward sessions, server side: SPDY stream pairs and WebSocket channel pairs."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Coroutine, Sequence
+
+from podgate.aio.errors import StreamError
+from podgate.aio.spdy import SpdySession, SpdyStream
+from podgate.aio.splice import splice
+from podgate.aio.wschannel import ChannelSession
+from podgate.proto import portforward as pf
+from podgate.streaming.target import PodRef, StreamTarget, TargetError
+
+log = logging.getLogger(__name__)
+
+# How often pending stream pairs are checked against the 30 s creation timeout.
+PAIR_EXPIRY_CHECK_SECONDS = 1.0
+
+
+class SpdyPortForwardServer:
+    """Pairs a session's error/data streams by requestid and forwards each pair."""
+
+    def __init__(self, pod: PodRef, target: StreamTarget, *, label: str = "") -> None:
+        self.pod = pod
+        self.target = target
+        self.pairing = pf.PortForwardPairing(conn_label=label or hex(id(self)))
+        self._streams: dict[int, SpdyStream] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def on_stream(self, stream: SpdyStream) -> None:
+        result = self.pairing.add_stream(stream.stream_id, stream.headers, time.monotonic())
+        if isinstance(result, pf.Rejected):
+            log.info(
+                "port-forward %s: rejected stream %d: %s", self.pod, stream.stream_id, result.reason
+            )
+            stream.reset()
+            return
+        stream.accept()
+        self._streams[stream.stream_id] = stream
+        if isinstance(result, pf.Duplicate):
+            if result.error_stream_id is not None:
+                self._spawn(self._report(result.error_stream_id, result.message), "pf duplicate")
+            stream.reset()
+            self._streams.pop(stream.stream_id, None)
+        elif isinstance(result, pf.Pair):
+            self._spawn(self._forward(result), f"pf {result.port} req {result.request_id}")
+
+    async def serve(self, session: SpdySession) -> None:
+        """Run the session until it ends, expiring incomplete pairs, then stop all forwards."""
+        reader = asyncio.create_task(session.run(), name="pf spdy read loop")
+        try:
+            while not reader.done():
+                await asyncio.wait({reader}, timeout=PAIR_EXPIRY_CHECK_SECONDS)
+                for expired in self.pairing.expire(time.monotonic()):
+                    if expired.error_stream_id is not None:
+                        self._spawn(
+                            self._report(expired.error_stream_id, expired.message, reset=True),
+                            "pf expired",
+                        )
+            # The connection is gone; let running forwards notice and finish.
+            if self._tasks:
+                await asyncio.wait(set(self._tasks), timeout=1.0)
+        finally:
+            for task in list(self._tasks):
+                task.cancel()
+            for task in list(self._tasks):
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            await session.aclose()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+
+    def _spawn(self, coro: Coroutine[object, object, None], name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _report(self, error_stream_id: int, message: str, *, reset: bool = False) -> None:
+        stream = self._streams.get(error_stream_id)
+        if stream is None:
+            return
+        with contextlib.suppress(StreamError):
+            await stream.send(message.encode())
+        if reset:
+            stream.reset()
+            self._streams.pop(error_stream_id, None)
+
+    async def _forward(self, pair: pf.Pair) -> None:
+        error = self._streams.pop(pair.error_stream_id)
+        data = self._streams.pop(pair.data_stream_id)
+        self.pairing.remove(pair.request_id)
+        try:
+            upstream = await self.target.open_port(self.pod, pair.port)
+        except TargetError as exc:
+            message = pf.forward_error_message(pair.port, self.pod.name, self.pod.uid, str(exc))
+            log.info("port-forward %s: %s", self.pod, message)
+            with contextlib.suppress(StreamError):
+                await error.send(message.encode())
+            data.reset()
+            error.reset()
+            return
+        result = await splice(data, upstream)
+        if result.error is not None:
+            log.debug("port-forward %s:%d ended: %s", self.pod, pair.port, result.error)
+            error.reset()
+        else:
+            with contextlib.suppress(StreamError):
+                await error.send_eof()
+            await error.aclose()
+
+
+async def serve_websocket_portforward(
+    channels: ChannelSession, ports: Sequence[int], pod: PodRef, target: StreamTarget
+) -> None:
+    """v4 channel port-forward: one connection per port for the life of the WebSocket."""
+
+    async def one(index: int, port: int) -> None:
+        data_ch = channels.stream(2 * index)
+        error_ch = channels.stream(2 * index + 1)
+        try:
+            upstream = await target.open_port(pod, port)
+        except TargetError as exc:
+            message = pf.forward_error_message(port, pod.name, pod.uid, str(exc))
+            with contextlib.suppress(StreamError):
+                await error_ch.send(message.encode())
+            return
+        await splice(data_ch, upstream)
+
+    async with asyncio.TaskGroup() as group:
+        for i, port in enumerate(ports):
+            group.create_task(one(i, port), name=f"ws pf {port}")

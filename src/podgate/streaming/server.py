@@ -1,0 +1,146 @@
+"""Serve one upgraded exec/attach/port-forward request against a StreamTarget.
+
+Whoever parsed the request (the runtime's streaming server, a test API) says which pod and what
+kind of stream it is; this module negotiates the protocol, answers the upgrade, and runs the
+session in whichever protocol generation the client chose.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from podgate.aio.spdy import SpdySession
+from podgate.aio.streams import SocketStream
+from podgate.aio.wschannel import ChannelSession, TunnelWire
+from podgate.proto import k8s
+from podgate.proto import remotecommand as rc
+from podgate.proto.errors import ProtocolError
+from podgate.proto.spdy import Role
+from podgate.proto.upgrade import (
+    Accepted,
+    Rejected,
+    ServerHandshake,
+    StreamKind,
+    Transport,
+    UpgradeRequest,
+    negotiate,
+)
+from podgate.proto.wschannel import ChannelConnection, TunnelConnection, parse_ports
+from podgate.proto.wschannel import Role as WsRole
+from podgate.streaming.portforward import SpdyPortForwardServer, serve_websocket_portforward
+from podgate.streaming.remotecommand import serve_spdy_exec, serve_ws_exec
+from podgate.streaming.target import ExecIO, PodRef, StreamTarget
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class StreamRequest:
+    """What the caller learned from the URL."""
+
+    kind: StreamKind
+    pod: PodRef
+    container: str | None = None
+    # exec/attach options come from the query; kubelet-style URLs spell booleans "1"
+    kubelet_style: bool = False
+
+
+async def reject(
+    conn: SocketStream, handshake: ServerHandshake, code: int, reason: str, message: str
+) -> None:
+    """A non-upgrade answer with a Kubernetes Status body (kubectl then falls back or prints)."""
+    body = k8s.http_status_body(code, reason, message)
+    await conn.send(handshake.respond(code, [(b"Content-Type", b"application/json")], body))
+
+
+async def serve_stream(
+    conn: SocketStream,
+    handshake: ServerHandshake,
+    request: UpgradeRequest,
+    what: StreamRequest,
+    target: StreamTarget,
+    *,
+    idle_timeout: float | None = None,
+) -> int | None:
+    """Negotiate, answer the upgrade and run the session. Returns an exec's exit code."""
+    options: rc.ExecOptions | None = None
+    ports: list[int] = []
+    try:
+        if what.kind is not StreamKind.PORTFORWARD:
+            options = rc.parse_options(request.query, kubelet_style=what.kubelet_style)
+            if what.kind is StreamKind.ATTACH:
+                options = rc.ExecOptions(
+                    command=(),
+                    container=options.container,
+                    stdin=options.stdin,
+                    stdout=options.stdout,
+                    stderr=options.stderr,
+                    tty=options.tty,
+                )
+    except ProtocolError as exc:
+        await reject(conn, handshake, 400, "BadRequest", exc.message)
+        return None
+
+    decision = negotiate(request.method, request.headers, what.kind)
+    if isinstance(decision, Rejected):
+        await conn.send(handshake.respond(decision.status, decision.headers, decision.body))
+        return None
+    assert isinstance(decision, Accepted)
+    if decision.transport is Transport.WEBSOCKET and what.kind is StreamKind.PORTFORWARD:
+        try:
+            ports = parse_ports(request.query)
+        except ProtocolError as exc:
+            await reject(conn, handshake, 400, "BadRequest", exc.message)
+            return None
+    conn.write(handshake.accept(decision))
+    conn.unread(handshake.trailing_data)
+
+    container = what.container or (options.container if options else None)
+
+    async def run(io: ExecIO) -> int:
+        assert options is not None
+        if what.kind is StreamKind.ATTACH:
+            return await target.attach(what.pod, container, io)
+        return await target.exec(what.pod, container, options.command, io)
+
+    label = f"{what.kind.name.lower()} {what.pod}"
+    if decision.transport is Transport.SPDY:
+        session = SpdySession(conn, Role.SERVER, idle_timeout=idle_timeout, name=label)
+        if what.kind is StreamKind.PORTFORWARD:
+            server = SpdyPortForwardServer(what.pod, target, label=label)
+            session.on_stream = server.on_stream
+            await server.serve(session)
+            return None
+        assert options is not None
+        return await serve_spdy_exec(session, decision.protocol, options, run)
+    if decision.transport is Transport.WEBSOCKET_TUNNEL:
+        wire = TunnelWire(conn, TunnelConnection(WsRole.SERVER))
+        session = SpdySession(wire, Role.SERVER, idle_timeout=idle_timeout, name=label)
+        server = SpdyPortForwardServer(what.pod, target, label=label)
+        session.on_stream = server.on_stream
+        await server.serve(session)
+        return None
+    channels = ChannelSession(conn, ChannelConnection(WsRole.SERVER, decision.protocol), name=label)
+    if what.kind is StreamKind.PORTFORWARD:
+        reader = asyncio.create_task(channels.run(), name=f"{label} read loop")
+        try:
+            for message in _port_headers(ports):
+                channels.send_nowait(*message)
+            await serve_websocket_portforward(channels, ports, what.pod, target)
+        finally:
+            await channels.aclose(1000)
+            reader.cancel()
+        return None
+    assert options is not None
+    return await serve_ws_exec(channels, options, run)
+
+
+def _port_headers(ports: list[int]) -> list[tuple[int, bytes]]:
+    out = []
+    for i, port in enumerate(ports):
+        prefix = port.to_bytes(2, "little")
+        out.append((2 * i, prefix))
+        out.append((2 * i + 1, prefix))
+    return out

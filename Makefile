@@ -37,7 +37,7 @@ unit: deps
 test: lint typecheck unit
 
 run: deps
-	$(VENV)/bin/podgate up
+	$(VENV)/bin/podgate demo
 
 bench: deps
 	$(PY) -m bench $(BENCH_ARGS)

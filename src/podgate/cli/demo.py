@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import os
@@ -10,6 +9,7 @@ import tempfile
 
 import click
 
+from podgate.aio.loop import run
 from podgate.streaming.demo import DemoApi, DemoPod
 from podgate.streaming.local import LocalTarget
 
@@ -82,4 +82,4 @@ def demo(port: int, kubeconfig: str | None, attach_command: str) -> None:
             await server.serve_forever()
 
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(main())
+        run(main())

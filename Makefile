@@ -25,8 +25,8 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 lint: deps
-	$(VENV)/bin/ruff check src tests bench
-	$(VENV)/bin/ruff format --check src tests bench
+	$(VENV)/bin/ruff check src tests $(wildcard bench)
+	$(VENV)/bin/ruff format --check src tests $(wildcard bench)
 
 typecheck: deps
 	$(VENV)/bin/mypy src

@@ -8,7 +8,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from servers import RunningServers, demo_servers  # noqa: E402
+from servers import RunningServers, demo_servers
 
 
 @pytest.fixture(scope="module")

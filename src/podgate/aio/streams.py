@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import os
 import socket
 import ssl
+import stat
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Protocol
@@ -325,6 +327,30 @@ async def start_server(
         return proto
 
     return await loop.create_server(factory, host, port, ssl=ssl_context, backlog=backlog)
+
+
+def remove_stale_socket(path: str) -> None:
+    """Remove a socket file left by a previous run; anything else at `path` is an error."""
+    try:
+        if not stat.S_ISSOCK(os.stat(path).st_mode):
+            raise FileExistsError(f"{path} exists and is not a socket")
+    except FileNotFoundError:
+        return
+    os.unlink(path)
+
+
+async def start_unix_server(
+    handler: _Handler, path: str, *, ssl_context: ssl.SSLContext | None = None, mode: int = 0o600
+) -> asyncio.Server:
+    """Listen on a unix socket (a stale socket file is replaced; permissions set to `mode`)."""
+    loop = asyncio.get_running_loop()
+    tasks: set[asyncio.Task[None]] = set()
+    remove_stale_socket(path)
+    server = await loop.create_unix_server(
+        lambda: _AcceptingProtocol(handler, tasks), path, ssl=ssl_context
+    )
+    os.chmod(path, mode)
+    return server
 
 
 class _AcceptingProtocol(_StreamProtocol):

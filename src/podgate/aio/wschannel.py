@@ -153,16 +153,21 @@ class ChannelSession:
     def send_nowait(self, channel: int, data: Buffer) -> None:
         if self.broken is not None:
             raise self.broken
-        self._core.send(channel, bytes(data))
+        try:
+            self._core.send(channel, bytes(data))
+        except ProtocolError as exc:  # the WebSocket is closing or closed
+            raise ClosedStreamError(f"websocket closed: {exc}") from exc
         self._flush()
 
     def send_ready(self, channel: int) -> None:
-        self._core.send_ready(channel)
+        with contextlib.suppress(ProtocolError):
+            self._core.send_ready(channel)
         self._flush()
 
     def close_channel_nowait(self, channel: int) -> None:
         if self._core.can_close_channels:
-            self._core.close_channel(channel)
+            with contextlib.suppress(ProtocolError):
+                self._core.close_channel(channel)
             self._flush()
 
     async def drain(self) -> None:

@@ -95,6 +95,10 @@ class DemoPod:
     phase: str = "Running"
     created: datetime = field(default_factory=lambda: datetime.now(UTC))
 
+    @property
+    def uid(self) -> str:
+        return f"demo-{self.namespace}-{self.name}"
+
     def body(self) -> dict[str, Any]:
         containers = []
         for i, name in enumerate(self.containers):
@@ -108,7 +112,7 @@ class DemoPod:
             "metadata": {
                 "name": self.name,
                 "namespace": self.namespace,
-                "uid": f"demo-{self.namespace}-{self.name}",
+                "uid": self.uid,
                 "creationTimestamp": self.created.strftime("%Y-%m-%dT%H:%M:%SZ"),
             },
             "spec": {"containers": containers},
@@ -183,7 +187,7 @@ class DemoApi:
             elif sub is None:
                 await self._send_json(conn, handshake, pod.body())
             elif sub in _SUBRESOURCES:
-                what = StreamRequest(_SUBRESOURCES[sub], PodRef(pod.namespace, pod.name))
+                what = StreamRequest(_SUBRESOURCES[sub], PodRef(pod.namespace, pod.name, pod.uid))
                 await serve_stream(conn, handshake, request, what, self.target)
                 return True
             else:

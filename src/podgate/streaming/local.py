@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 
 # Read size for a process's pipes and pty.
 PIPE_READ_BYTES = 64 * 1024
+# How long a tty session waits for the client's first terminal size before starting.
+FIRST_RESIZE_WAIT_SECONDS = 1.0
 # How long output may keep flowing after the process exited (grandchildren holding the pipe).
 OUTPUT_DRAIN_SECONDS = 2.0
 
@@ -155,6 +157,22 @@ def set_winsize(fd: int, width: int, height: int) -> None:
 async def _run_pty(command: Sequence[str], io: ExecIO, cwd: str | None) -> int:
     loop = asyncio.get_running_loop()
     master, slave = pty.openpty()
+    sized = asyncio.Event()
+
+    async def apply_resizes() -> None:
+        assert io.resizes is not None
+        async for size in io.resizes:
+            with contextlib.suppress(OSError):
+                set_winsize(master, size.width, size.height)
+            sized.set()
+
+    helpers = []
+    if io.resizes is not None:
+        # The client sends its terminal size first thing; a shell started before it arrives
+        # would see 0x0. Wait for it, briefly (a client may never send one).
+        helpers.append(asyncio.create_task(apply_resizes(), name="pty resize"))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(sized.wait(), FIRST_RESIZE_WAIT_SECONDS)
     try:
         proc = await asyncio.create_subprocess_exec(
             *command,
@@ -165,6 +183,11 @@ async def _run_pty(command: Sequence[str], io: ExecIO, cwd: str | None) -> int:
             start_new_session=True,
             preexec_fn=_make_controlling_tty,
         )
+    except BaseException:
+        for task in helpers:
+            task.cancel()
+        os.close(master)
+        raise
     finally:
         os.close(slave)
     os.set_blocking(master, False)
@@ -215,17 +238,8 @@ async def _run_pty(command: Sequence[str], io: ExecIO, cwd: str | None) -> int:
                     except BlockingIOError:
                         await asyncio.sleep(0.005)
 
-    async def apply_resizes() -> None:
-        assert io.resizes is not None
-        async for size in io.resizes:
-            with contextlib.suppress(OSError):
-                set_winsize(master, size.width, size.height)
-
-    helpers = []
     if io.stdin is not None:
         helpers.append(asyncio.create_task(forward_input(), name="pty stdin"))
-    if io.resizes is not None:
-        helpers.append(asyncio.create_task(apply_resizes(), name="pty resize"))
     output = asyncio.create_task(forward_output(), name="pty output")
     try:
         returncode = await proc.wait()

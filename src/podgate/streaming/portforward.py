@@ -96,7 +96,7 @@ class SpdyPortForwardServer:
         try:
             upstream = await self.target.open_port(self.pod, pair.port)
         except TargetError as exc:
-            message = pf.forward_error_message(pair.port, self.pod.name, self.pod.uid, str(exc))
+            message = pf.forward_error_message(pair.port, self.pod.label, self.pod.uid, str(exc))
             log.info("port-forward %s: %s", self.pod, message)
             with contextlib.suppress(StreamError):
                 await error.send(message.encode())
@@ -124,7 +124,7 @@ async def serve_websocket_portforward(
         try:
             upstream = await target.open_port(pod, port)
         except TargetError as exc:
-            message = pf.forward_error_message(port, pod.name, pod.uid, str(exc))
+            message = pf.forward_error_message(port, pod.label, pod.uid, str(exc))
             with contextlib.suppress(StreamError):
                 await error_ch.send(message.encode())
             return

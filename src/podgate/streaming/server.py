@@ -45,6 +45,9 @@ class StreamRequest:
     container: str | None = None
     # exec/attach options come from the query; kubelet-style URLs spell booleans "1"
     kubelet_style: bool = False
+    # A CRI streaming server knows the options from the CRI call (the token), not the query.
+    options: rc.ExecOptions | None = None
+    ports: tuple[int, ...] = ()
 
 
 async def reject(
@@ -68,7 +71,9 @@ async def serve_stream(
     options: rc.ExecOptions | None = None
     ports: list[int] = []
     try:
-        if what.kind is not StreamKind.PORTFORWARD:
+        if what.options is not None:
+            options = what.options
+        elif what.kind is not StreamKind.PORTFORWARD:
             options = rc.parse_options(request.query, kubelet_style=what.kubelet_style)
             if what.kind is StreamKind.ATTACH:
                 options = rc.ExecOptions(
@@ -88,7 +93,9 @@ async def serve_stream(
         await conn.send(handshake.respond(decision.status, decision.headers, decision.body))
         return None
     assert isinstance(decision, Accepted)
-    if decision.transport is Transport.WEBSOCKET and what.kind is StreamKind.PORTFORWARD:
+    if what.ports:
+        ports = list(what.ports)
+    elif decision.transport is Transport.WEBSOCKET and what.kind is StreamKind.PORTFORWARD:
         try:
             ports = parse_ports(request.query)
         except ProtocolError as exc:

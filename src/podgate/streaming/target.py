@@ -18,6 +18,12 @@ class PodRef:
     namespace: str
     name: str
     uid: str = ""
+    sandbox_id: str = ""  # the runtime's id, where there is one
+
+    @property
+    def label(self) -> str:
+        """How upstream names a pod in error messages: its sandbox id, else its name."""
+        return self.sandbox_id or self.name
 
     def __str__(self) -> str:
         return f"{self.namespace}/{self.name}"

@@ -1,0 +1,1 @@
+"""Port-forward throughput and connection-setup benchmarks for podgate (`make bench`)."""

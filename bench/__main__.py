@@ -1,0 +1,177 @@
+"""`python -m bench` (`make bench`): port-forward throughput and connection-setup benchmarks.
+
+    make bench
+    make bench BENCH_ARGS="--size 256M --runs 5"
+    python -m bench --paths direct,podgate-spdy --directions download --conns 0
+
+Prints the tables and writes every run plus the summaries to bench/results/latest.json
+(and the tables as Markdown next to it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+
+from rich.console import Console
+
+from bench.common import format_size, parse_size
+from bench.portforward import DIRECTIONS, PATH_NAMES, Options, run_all
+from bench.procs import ChildError
+from bench.report import REPORT_WIDTH, markdown, path_descriptions, print_report
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def _names(allowed: tuple[str, ...]) -> Callable[[str], list[str]]:
+    def parse(text: str) -> list[str]:
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        unknown = [n for n in names if n not in allowed]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {unknown}; choose from {list(allowed)}")
+        return names
+
+    return parse
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench",
+        description="Port-forward benchmarks on loopback. Paths:\n" + path_descriptions(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--size",
+        type=parse_size,
+        default=parse_size("1G"),
+        help="bytes per run and direction (default 1G; binary units)",
+    )
+    parser.add_argument("--runs", type=int, default=3, help="runs per benchmark (default 3)")
+    parser.add_argument(
+        "--paths",
+        type=_names(PATH_NAMES),
+        default=list(PATH_NAMES),
+        help="comma-separated subset of the paths (default: all)",
+    )
+    parser.add_argument(
+        "--directions",
+        type=_names(DIRECTIONS),
+        default=list(DIRECTIONS),
+        help="upload, download or both (default)",
+    )
+    parser.add_argument(
+        "--conns",
+        type=int,
+        default=2000,
+        help="new connections per connection run (0: skip; default 2000)",
+    )
+    parser.add_argument(
+        "--sessions",
+        type=int,
+        default=200,
+        help="new sessions per session run (0: skip; default 200)",
+    )
+    parser.add_argument(
+        "--conn-budget",
+        type=float,
+        default=20.0,
+        help="seconds one connection run may take (default 20)",
+    )
+    parser.add_argument(
+        "--run-timeout",
+        type=float,
+        default=120.0,
+        help="seconds one throughput run may take (default 120)",
+    )
+    parser.add_argument(
+        "--no-throughput", action="store_true", help="only the connection benchmarks"
+    )
+    parser.add_argument("--skip-kubectl", action="store_true", help="leave out the kubectl paths")
+    parser.add_argument("--skip-socat", action="store_true", help="leave out socat")
+    parser.add_argument(
+        "--uvloop", action="store_true", help="run the podgate servers and clients on uvloop"
+    )
+    parser.add_argument("--kubectl", help="kubectl 1.33 binary (default: next to kubectl)")
+    parser.add_argument(
+        "--profile-dir",
+        type=Path,
+        help="run each podgate server under cProfile, stats written here",
+    )
+    parser.add_argument(
+        "--json",
+        type=Path,
+        default=RESULTS_DIR / "latest.json",
+        help="where to write the results (default bench/results/latest.json)",
+    )
+    parser.add_argument(
+        "--markdown",
+        type=Path,
+        help="where to write the tables as Markdown (default: next to --json)",
+    )
+    args = parser.parse_args(argv)
+    if args.runs < 1:
+        parser.error("--runs must be at least 1")
+    return args
+
+
+def _terminate(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)  # unwinds through the cleanup of every child
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    paths = [
+        p
+        for p in args.paths
+        if not (args.skip_kubectl and p.startswith("kubectl"))
+        and not (args.skip_socat and p == "socat")
+    ]
+    if "direct" not in paths:
+        paths.insert(0, "direct")  # every ratio needs its peer
+    options = Options(
+        size=args.size,
+        runs=args.runs,
+        paths=paths,
+        directions=args.directions,
+        conns=args.conns,
+        sessions=args.sessions,
+        conn_budget=args.conn_budget,
+        run_timeout=args.run_timeout,
+        throughput=not args.no_throughput,
+        uvloop=args.uvloop,
+        kubectl=args.kubectl,
+        profile_dir=args.profile_dir,
+    )
+    console = Console() if sys.stdout.isatty() else Console(width=REPORT_WIDTH)
+    err = Console(stderr=True)
+    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGHUP, _terminate)
+    err.print(
+        f"bench: {format_size(options.size)} x {options.runs} run(s), paths: {', '.join(paths)}"
+    )
+    try:
+        results = run_all(options, progress=lambda msg: err.print(f"[dim]{msg}[/dim]"))
+    except ChildError as exc:
+        err.print(f"[red]bench failed: {exc}[/red]")
+        return 1
+    except KeyboardInterrupt:
+        err.print("[red]interrupted; every started process was stopped[/red]")
+        return 130
+    data = results.as_dict()
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(data, indent=1) + "\n")
+    md_path = args.markdown or args.json.with_suffix(".md")
+    md_path.write_text(markdown(data))
+    print_report(data, console)
+    console.print(f"results: {args.json} and {md_path}")
+    failed = [s for s in data["summary"]["throughput"] + data["summary"]["conns"] if s["errors"]]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

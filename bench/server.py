@@ -1,0 +1,69 @@
+"""One podgate API server process for the benchmarks: DemoApi + LocalTarget on loopback.
+
+Run as `python -m bench.server --bulk-port P --echo-port E [--uvloop] [--profile FILE]`. The
+pod default/bench exposes BULK_REMOTE_PORT and ECHO_REMOTE_PORT, which the LocalTarget maps
+to the target process. It prints one JSON line (its port, pid and event loop) and serves until
+SIGTERM; with --profile it runs under cProfile and writes the stats on the way out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import cProfile
+import json
+import os
+import signal
+import sys
+
+from bench.common import (
+    BULK_REMOTE_PORT,
+    ECHO_REMOTE_PORT,
+    POD_NAME,
+    POD_NAMESPACE,
+    install_loop,
+)
+from podgate.streaming.demo import DemoApi, DemoPod
+from podgate.streaming.local import LocalTarget
+
+
+async def serve(bulk_port: int, echo_port: int, loop_name: str) -> None:
+    target = LocalTarget(port_map={BULK_REMOTE_PORT: bulk_port, ECHO_REMOTE_PORT: echo_port})
+    api = DemoApi(
+        target, [DemoPod(POD_NAMESPACE, POD_NAME, ports=(BULK_REMOTE_PORT, ECHO_REMOTE_PORT))]
+    )
+    server = await api.serve("127.0.0.1", 0)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    ready = {"port": server.sockets[0].getsockname()[1], "pid": os.getpid(), "loop": loop_name}
+    sys.stdout.write(json.dumps(ready) + "\n")
+    sys.stdout.flush()
+    async with server:
+        await stop.wait()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.server")
+    parser.add_argument("--bulk-port", type=int, required=True)
+    parser.add_argument("--echo-port", type=int, required=True)
+    parser.add_argument("--uvloop", action="store_true", help="run on uvloop")
+    parser.add_argument("--profile", help="write cProfile stats here on exit")
+    args = parser.parse_args()
+    loop_name = install_loop(args.uvloop)
+    profiler = cProfile.Profile() if args.profile else None
+    if profiler is not None:
+        profiler.enable()
+    try:
+        asyncio.run(serve(args.bulk_port, args.echo_port, loop_name))
+    finally:
+        if profiler is not None:
+            profiler.disable()
+            profiler.dump_stats(args.profile)
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        main()

@@ -1,0 +1,1 @@
+"""The Linux layer of the runtime: namespaces, the pod holder process and the container shim."""

@@ -1,0 +1,188 @@
+"""The pod holder: a tiny process that owns a pod's namespaces (the pause container's job).
+
+Run as `python -m podgate.linux.holder --ready-file PATH [--hostname H] [--pid-ns]`. It
+daemonizes (the first process exits at once), unshares NET, UTS and IPC (and PID with
+`--pid-ns`), sets the hostname, brings `lo` up, writes the ready file and waits for SIGTERM.
+
+With `--pid-ns` it forks: the child is PID 1 of the pod's PID namespace and reaps the pod's
+orphans; the parent forwards SIGTERM/SIGINT to it and exits with its status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+from collections.abc import Sequence
+from typing import Final
+
+from podgate.linux import ns
+from podgate.linux.proc import (
+    SpawnError,
+    atomic_write_json,
+    process_ref,
+    signal_process,
+    spawn_detached,
+    wait_gone,
+    wait_ready_file,
+)
+from podgate.runtime.model import ProcessRef
+
+__all__ = [
+    "HOLDER_START_TIMEOUT",
+    "HOLDER_STOP_TIMEOUT",
+    "HolderError",
+    "main",
+    "start_holder",
+    "stop_holder",
+]
+
+# How long a holder may take to write its ready file, seconds (an interpreter start).
+HOLDER_START_TIMEOUT: Final = 10.0
+# How long a holder gets to exit after SIGTERM before SIGKILL, seconds.
+HOLDER_STOP_TIMEOUT: Final = 5.0
+
+_STOP_SIGNALS: Final = frozenset({signal.SIGTERM, signal.SIGINT})
+_WAITED_SIGNALS: Final = _STOP_SIGNALS | {signal.SIGCHLD}
+
+
+class HolderError(SpawnError):
+    """The pod holder could not set up the pod's namespaces; the message says why."""
+
+
+def _exit_code(status: int) -> int:
+    code = os.waitstatus_to_exitcode(status)
+    return 128 - code if code < 0 else code
+
+
+def _reap_all() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def _sleep_until_stopped() -> int:
+    """Wait for SIGTERM/SIGINT, reaping children meanwhile (the signals are blocked)."""
+    while True:
+        sig = signal.sigwait(_WAITED_SIGNALS)
+        _reap_all()
+        if sig in _STOP_SIGNALS:
+            return 0
+
+
+def _run_pid_ns(ready_file: str) -> int:
+    sync_r, sync_w = os.pipe()
+    child = os.fork()
+    if child == 0:
+        # PID 1 of the pod: the kernel drops signals to PID 1 that have no handler, but
+        # blocked ones stay pending for sigwait.
+        os.close(sync_r)
+        os.close(sync_w)
+        try:
+            code = _sleep_until_stopped()
+        finally:
+            sys.stderr.flush()
+        os._exit(code)
+    os.close(sync_w)
+    os.read(sync_r, 1)  # EOF once the child runs with signals blocked
+    os.close(sync_r)
+    atomic_write_json(ready_file, {"holder_pid": os.getpid(), "ns_pid": child})
+    while True:
+        sig = signal.sigwait(_WAITED_SIGNALS)
+        if sig in _STOP_SIGNALS:
+            os.kill(child, signal.SIGTERM)
+            continue
+        pid, status = os.waitpid(child, os.WNOHANG)
+        if pid == child:
+            return _exit_code(status)
+
+
+def _noop_handler(signum: int, frame: object) -> None:
+    del signum, frame
+
+
+def _daemonize() -> None:
+    if os.fork() != 0:
+        os._exit(0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m podgate.linux.holder")
+    parser.add_argument("--ready-file", required=True)
+    parser.add_argument("--hostname", default="")
+    parser.add_argument("--pid-ns", action="store_true", help="also a new PID namespace")
+    parser.add_argument("--foreground", action="store_true", help="do not fork away")
+    args = parser.parse_args(argv)
+
+    # Handlers keep the signals from being ignored; blocking routes them to sigwait.
+    for sig in _WAITED_SIGNALS:
+        signal.signal(sig, _noop_handler)
+    signal.pthread_sigmask(signal.SIG_BLOCK, _WAITED_SIGNALS)
+    if not args.foreground:
+        _daemonize()
+    flags = ns.CLONE_NEWNET | ns.CLONE_NEWUTS | ns.CLONE_NEWIPC
+    if args.pid_ns:
+        flags |= ns.CLONE_NEWPID
+    try:
+        ns.unshare(flags)
+        if args.hostname:
+            socket.sethostname(args.hostname)
+        ns.set_link_up("lo")
+    except OSError as exc:
+        message = f"pod holder setup failed: {exc}"
+        print(message, file=sys.stderr)
+        atomic_write_json(args.ready_file, {"error": message})
+        return 1
+    if args.pid_ns:
+        return _run_pid_ns(args.ready_file)
+    atomic_write_json(args.ready_file, {"holder_pid": os.getpid(), "ns_pid": os.getpid()})
+    return _sleep_until_stopped()
+
+
+async def start_holder(
+    hostname: str,
+    pid_ns: bool,
+    ready_file: str,
+    log_file: str,
+    *,
+    timeout: float = HOLDER_START_TIMEOUT,
+) -> tuple[ProcessRef, ProcessRef]:
+    """Start a detached holder and wait for it; returns (holder, namespace process) refs.
+
+    Raises HolderError with the holder's message if it failed.
+    """
+    try:
+        os.unlink(ready_file)
+    except FileNotFoundError:
+        pass
+    argv = [sys.executable, "-m", "podgate.linux.holder", "--ready-file", ready_file]
+    if hostname:
+        argv += ["--hostname", hostname]
+    if pid_ns:
+        argv.append("--pid-ns")
+    try:
+        await spawn_detached(argv, log_file)
+        data = await wait_ready_file(ready_file, timeout, log_file)
+    except SpawnError as exc:
+        raise HolderError(str(exc)) from exc
+    return process_ref(int(data["holder_pid"])), process_ref(int(data["ns_pid"]))
+
+
+async def stop_holder(ref: ProcessRef, timeout: float = HOLDER_STOP_TIMEOUT) -> None:
+    """SIGTERM the holder, then SIGKILL after `timeout`. A holder already gone is fine."""
+    if not signal_process(ref, signal.SIGTERM):
+        return
+    if await wait_gone(ref, timeout):
+        return
+    signal_process(ref, signal.SIGKILL)
+    await wait_gone(ref, timeout)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

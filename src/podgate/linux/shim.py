@@ -1,0 +1,885 @@
+"""The container shim, one per container (conmon's job): run as `python -m podgate.linux.shim`.
+
+`python -m podgate.linux.shim --spec FILE` daemonizes, creates the attach socket, starts the
+container process in the pod's namespaces, writes the ready file, then relays the container's
+output into the CRI log file and to every attached client until the container exits. It then
+writes the exit file, sends EXIT to the clients, removes the socket and exits.
+
+The shim runs in the host's namespaces. Only the PID namespace is changed in the shim itself,
+since that applies to children; the child joins the pod's net, uts and ipc namespaces, makes a
+private mount namespace and (optionally) chroots before exec.
+
+The runtime signals the container process directly by its host pid from the ready file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import errno
+import fcntl
+import os
+import signal
+import socket
+import struct
+import sys
+import termios
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO, Final
+
+from podgate.aio.errors import StreamError, map_os_errors
+from podgate.linux import ns
+from podgate.linux.proc import (
+    SpawnError,
+    atomic_write_json,
+    process_ref,
+    read_json,
+    spawn_detached,
+    wait_ready_file,
+)
+from podgate.proto.attach import (
+    AttachCodec,
+    AttachProtocolError,
+    Event,
+    Exit,
+    Resize,
+    Role,
+    Stderr,
+    Stdin,
+    StdinClose,
+    Stdout,
+)
+from podgate.runtime.model import NamespaceMode, ProcessRef
+from podgate.streaming.target import ExecIO
+
+__all__ = [
+    "DEFAULT_PATH",
+    "MAX_LOG_LINE",
+    "SHIM_START_TIMEOUT",
+    "AttachConnection",
+    "AttachStdin",
+    "CriLogWriter",
+    "ShimError",
+    "ShimExit",
+    "ShimReady",
+    "ShimSpec",
+    "attach",
+    "main",
+    "read_exit_file",
+    "rfc3339nano",
+    "run_attach",
+    "start_shim",
+]
+
+# containerd's default max_container_log_line_size, bytes: longer lines become P entries.
+MAX_LOG_LINE: Final = 16 * 1024
+# How long a shim may take to start the container and write its ready file, seconds.
+SHIM_START_TIMEOUT: Final = 10.0
+# How long output may keep flowing after the container exited (grandchildren holding the
+# pipe), seconds.
+OUTPUT_DRAIN_SECONDS: Final = 2.0
+# How long closing attached clients may take once the container exited, seconds.
+CLIENT_CLOSE_SECONDS: Final = 2.0
+# Bytes queued for one attached client before it is dropped: a stalled client must not grow
+# the shim without bound (the log file still gets everything).
+CLIENT_OUTPUT_LIMIT: Final = 8 * 1024 * 1024
+# Bytes of client input queued for the container's stdin before clients wait.
+STDIN_HIGH_WATER: Final = 1024 * 1024
+# One read from a container pipe or pty, bytes.
+READ_BYTES: Final = 64 * 1024
+# PATH a container gets when its env has none (containerd's default).
+DEFAULT_PATH: Final = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# Unix socket paths are limited by sockaddr_un.sun_path, bytes including the NUL.
+_MAX_SOCKET_PATH: Final = 107
+# Exit status of the child when it could not exec (as shells report it).
+_EXEC_FAILED: Final = 127
+_NS_KINDS: Final = (("net", ns.CLONE_NEWNET), ("uts", ns.CLONE_NEWUTS), ("ipc", ns.CLONE_NEWIPC))
+
+
+# -- the spec and what the shim reports
+
+
+@dataclass(slots=True)
+class ShimSpec:
+    """What one shim runs. `ns_pid` is the pod's namespace process (None: the host's)."""
+
+    container_id: str
+    command: list[str]
+    exit_file: str
+    attach_socket: str
+    ready_file: str
+    env: dict[str, str] = field(default_factory=dict)
+    working_dir: str = ""
+    root_dir: str = ""
+    uid: int | None = None
+    gid: int | None = None
+    tty: bool = False
+    stdin: bool = False
+    stdin_once: bool = False
+    ns_pid: int | None = None
+    pid_mode: NamespaceMode = NamespaceMode.CONTAINER
+    log_file: str = ""  # CRI log file; "" = no log
+    shim_log: str = ""  # the shim's own stderr; "" = `<ready_file>.log`
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "container_id": self.container_id,
+            "command": list(self.command),
+            "exit_file": self.exit_file,
+            "attach_socket": self.attach_socket,
+            "ready_file": self.ready_file,
+            "env": dict(self.env),
+            "working_dir": self.working_dir,
+            "root_dir": self.root_dir,
+            "uid": self.uid,
+            "gid": self.gid,
+            "tty": self.tty,
+            "stdin": self.stdin,
+            "stdin_once": self.stdin_once,
+            "ns_pid": self.ns_pid,
+            "pid_mode": int(self.pid_mode),
+            "log_file": self.log_file,
+            "shim_log": self.shim_log,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ShimSpec:
+        values = dict(data)
+        values["pid_mode"] = NamespaceMode(values.get("pid_mode", NamespaceMode.CONTAINER))
+        return cls(**values)
+
+
+@dataclass(frozen=True, slots=True)
+class ShimReady:
+    shim: ProcessRef
+    process: ProcessRef  # the container's main process, host pid
+    started_at: int  # ns since the epoch
+
+
+@dataclass(frozen=True, slots=True)
+class ShimExit:
+    exit_code: int
+    finished_at: int  # ns since the epoch
+    reason: str
+
+
+def read_exit_file(path: str) -> ShimExit | None:
+    """The container's exit record, or None while the shim has not written it."""
+    try:
+        data = read_json(path)
+    except FileNotFoundError:
+        return None
+    return ShimExit(int(data["exit_code"]), int(data["finished_at"]), str(data["reason"]))
+
+
+# -- CRI log format
+
+
+def rfc3339nano(ns_since_epoch: int) -> str:
+    """Go's `time.RFC3339Nano` in UTC: trailing zeros of the fraction are dropped."""
+    seconds, fraction = divmod(ns_since_epoch, 1_000_000_000)
+    text = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds))
+    if fraction:
+        text += "." + f"{fraction:09d}".rstrip("0")
+    return text + "Z"
+
+
+class CriLogWriter:
+    """Turns output chunks into CRI log entries: `<time> <stream> <F|P> <line>\\n`.
+
+    Like containerd: a line ends at "\\n" (a "\\r" before it is dropped); a line longer than
+    `max_line` is cut into P entries; what is left at EOF without a newline is a P entry.
+    """
+
+    def __init__(self, write: Callable[[bytes], None], max_line: int = MAX_LOG_LINE) -> None:
+        self._write = write
+        self._max_line = max_line
+        self._pending: dict[str, bytearray] = {}
+
+    def feed(self, stream: str, data: bytes, now_ns: int) -> None:
+        buf = self._pending.setdefault(stream, bytearray())
+        buf += data
+        while True:
+            newline = buf.find(b"\n")
+            if newline < 0:
+                break
+            line = bytes(buf[:newline])
+            del buf[: newline + 1]
+            if line.endswith(b"\r"):
+                line = line[:-1]
+            while len(line) > self._max_line:
+                self._entry(stream, b"P", line[: self._max_line], now_ns)
+                line = line[self._max_line :]
+            self._entry(stream, b"F", line, now_ns)
+        while len(buf) > self._max_line:
+            self._entry(stream, b"P", bytes(buf[: self._max_line]), now_ns)
+            del buf[: self._max_line]
+
+    def finish(self, stream: str, now_ns: int) -> None:
+        """The stream ended: whatever is left without a newline is one P entry."""
+        buf = self._pending.pop(stream, None)
+        if buf:
+            self._entry(stream, b"P", bytes(buf), now_ns)
+
+    def _entry(self, stream: str, tag: bytes, line: bytes, now_ns: int) -> None:
+        head = f"{rfc3339nano(now_ns)} {stream} ".encode("ascii")
+        self._write(head + tag + b" " + line + b"\n")
+
+
+class ShimError(SpawnError):
+    """The shim could not start the container; the message says why (runc-like wording)."""
+
+
+# -- starting the container (synchronous, before the event loop exists)
+
+
+class _StartError(Exception):
+    """The container could not be started; the message goes to the ready file."""
+
+
+def _go_strerror(err: int) -> str:
+    text = os.strerror(err)
+    return text[:1].lower() + text[1:]
+
+
+def _exec_error(arg0: str, exc: OSError) -> str:
+    if exc.errno == errno.ENOENT:
+        if "/" not in arg0:
+            return f'exec: "{arg0}": executable file not found in $PATH'
+        return f'exec: "{arg0}": stat {arg0}: no such file or directory'
+    return f'exec: "{arg0}": {_go_strerror(exc.errno or errno.EINVAL)}'
+
+
+@dataclass(slots=True)
+class _Stdio:
+    """The shim's ends of the container's stdio, and the fds the child dups to 0, 1, 2."""
+
+    child: tuple[int, int, int]
+    to_close_after_fork: list[int]
+    stdin: int | None  # write end (a dup of the pty master in tty mode)
+    outputs: dict[str, int]  # "stdout"/"stderr" -> read end
+    master: int | None = None  # pty master, for resizes
+
+
+def _open_stdio(spec: ShimSpec) -> _Stdio:
+    if spec.tty:
+        master, slave = os.openpty()
+        os.set_inheritable(master, False)
+        stdin = os.dup(master) if spec.stdin else None
+        return _Stdio((slave, slave, slave), [slave], stdin, {"stdout": master}, master)
+    if spec.stdin:
+        in_r, in_w = os.pipe()
+    else:
+        in_r, in_w = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC), -1
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    return _Stdio(
+        (in_r, out_w, err_w),
+        [in_r, out_w, err_w],
+        in_w if in_w >= 0 else None,
+        {"stdout": out_r, "stderr": err_r},
+    )
+
+
+def _open_namespaces(spec: ShimSpec) -> list[tuple[int, int]]:
+    """Join the pod's PID namespace (for our children) and open the others for the child."""
+    if spec.pid_mode is NamespaceMode.TARGET:
+        raise _StartError("pid namespace mode TARGET is not supported")
+    if spec.pid_mode is NamespaceMode.POD and spec.ns_pid is None:
+        raise _StartError("pid namespace mode POD needs the pod's namespace process")
+    fds: list[tuple[int, int]] = []
+    try:
+        if spec.ns_pid is not None:
+            for kind, nstype in _NS_KINDS:
+                path = ns.ns_path(spec.ns_pid, kind)
+                fds.append((os.open(path, os.O_RDONLY | os.O_CLOEXEC), nstype))
+        if spec.pid_mode is NamespaceMode.POD:
+            assert spec.ns_pid is not None
+            pid_fd = os.open(ns.ns_path(spec.ns_pid, "pid"), os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                ns.setns(pid_fd, ns.CLONE_NEWPID)
+            finally:
+                os.close(pid_fd)
+        elif spec.pid_mode is NamespaceMode.CONTAINER:
+            ns.unshare(ns.CLONE_NEWPID)
+    except OSError as exc:
+        for fd, _ in fds:
+            os.close(fd)
+        raise _StartError(f"joining the pod's namespaces failed: {exc}") from exc
+    return fds
+
+
+def _child(spec: ShimSpec, stdio: _Stdio, ns_fds: list[tuple[int, int]], report: int) -> None:
+    """Runs in the forked child; never returns. Failures are written to `report`."""
+    step = "setsid"
+    try:
+        os.setsid()
+        if spec.tty:
+            step = "set controlling terminal"
+            fcntl.ioctl(stdio.child[0], termios.TIOCSCTTY, 0)
+        step = "set up stdio"
+        for target, fd in enumerate(stdio.child):
+            os.dup2(fd, target)
+        for fd, nstype in ns_fds:
+            step = "join pod namespace"
+            ns.setns(fd, nstype)
+        step = "create mount namespace"
+        ns.unshare(ns.CLONE_NEWNS)
+        ns.make_mounts_private()
+        if spec.root_dir:
+            step = f"chroot to {spec.root_dir!r}"
+            os.chroot(spec.root_dir)
+            os.chdir("/")
+            if spec.pid_mode is not NamespaceMode.NODE and os.path.isdir("/proc"):
+                step = "mount /proc"
+                ns.mount("proc", "/proc", "proc", ns.MS_NOSUID | ns.MS_NODEV | ns.MS_NOEXEC)
+        env = dict(spec.env)
+        env.setdefault("PATH", DEFAULT_PATH)
+        env.setdefault("HOSTNAME", socket.gethostname())
+        cwd = spec.working_dir or "/"
+        step = f'chdir to cwd ("{cwd}")'
+        os.chdir(cwd)
+        if spec.uid is not None or spec.gid is not None:
+            step = "set user"
+            os.setgroups([])
+            if spec.gid is not None:
+                os.setgid(spec.gid)
+            if spec.uid is not None:
+                os.setuid(spec.uid)
+        step = "reset signals"
+        for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_SETMASK, set())
+        os.closerange(3, report)
+        os.closerange(report + 1, os.sysconf("SC_OPEN_MAX"))
+        step = "exec"
+        try:
+            os.execvpe(spec.command[0], spec.command, env)
+        except OSError as exc:
+            message = _exec_error(spec.command[0], exc)
+    except OSError as exc:
+        message = f"{step} failed: {_go_strerror(exc.errno or errno.EINVAL)}"
+    except BaseException as exc:
+        message = f"{step} failed: {exc}"
+    try:
+        os.write(report, message.encode("utf-8", "replace"))
+    finally:
+        os._exit(_EXEC_FAILED)
+
+
+def _start_container(spec: ShimSpec) -> tuple[int, _Stdio]:
+    """Fork and exec the container process; (host pid, the shim's stdio ends)."""
+    if not spec.command:
+        raise _StartError("no command specified")
+    ns_fds = _open_namespaces(spec)
+    stdio = _open_stdio(spec)
+    report_r, report_w = os.pipe2(os.O_CLOEXEC)
+    try:
+        pid = os.fork()
+        if pid == 0:
+            _child(spec, stdio, ns_fds, report_w)
+    finally:
+        os.close(report_w)
+        for fd in stdio.to_close_after_fork:
+            os.close(fd)
+        for fd, _ in ns_fds:
+            os.close(fd)
+    chunks = []
+    while chunk := os.read(report_r, 4096):
+        chunks.append(chunk)
+    os.close(report_r)
+    if chunks:
+        os.waitpid(pid, 0)
+        raise _StartError(b"".join(chunks).decode("utf-8", "replace"))
+    return pid, stdio
+
+
+def _listen(path: str) -> socket.socket:
+    if len(os.fsencode(path)) > _MAX_SOCKET_PATH:
+        raise _StartError(f"attach socket path too long: {path}")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old_umask = os.umask(0o177)  # born 0600: no window where others may connect
+    try:
+        sock.bind(path)
+    finally:
+        os.umask(old_umask)
+    os.chmod(path, 0o600)
+    sock.listen()
+    return sock
+
+
+# -- the running shim
+
+
+class _InputPipe:
+    """The container's stdin: buffered non-blocking writes with a high-water wait."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._buffer = bytearray()
+        self._closing = False
+        self._closed = False
+        self._waiters: list[asyncio.Future[None]] = []
+        self._loop = asyncio.get_running_loop()
+        os.set_blocking(fd, False)
+
+    async def write(self, data: bytes) -> None:
+        if self._closing:
+            return
+        self._buffer += data
+        self._flush()
+        while len(self._buffer) > STDIN_HIGH_WATER and not self._closed:
+            waiter = self._loop.create_future()
+            self._waiters.append(waiter)
+            await waiter
+
+    def close(self) -> None:
+        self._closing = True
+        if not self._buffer:
+            self._finish()
+
+    def _flush(self) -> None:
+        if self._closed:
+            self._buffer.clear()
+            return
+        try:
+            written = os.write(self._fd, self._buffer)
+        except BlockingIOError:
+            written = 0
+        except OSError:  # EPIPE/EIO: the container stopped reading; drop its input
+            self._buffer.clear()
+            self._finish()
+            return
+        del self._buffer[:written]
+        if self._buffer:
+            self._loop.add_writer(self._fd, self._on_writable)
+            return
+        self._loop.remove_writer(self._fd)
+        self._wake()
+        if self._closing:
+            self._finish()
+
+    def _on_writable(self) -> None:
+        self._flush()
+        if len(self._buffer) <= STDIN_HIGH_WATER:
+            self._wake()
+
+    def _wake(self) -> None:
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._waiters.clear()
+
+    def _finish(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._loop.remove_writer(self._fd)
+        os.close(self._fd)
+        self._wake()
+
+
+class _Shim:
+    def __init__(
+        self,
+        spec: ShimSpec,
+        pid: int,
+        stdio: _Stdio,
+        listener: socket.socket,
+        log: BinaryIO | None,
+    ) -> None:
+        self.spec = spec
+        self.pid = pid
+        self.stdio = stdio
+        self.listener = listener
+        self.log = log
+        self.clients: dict[asyncio.StreamWriter, AttachCodec] = {}
+        self.stdin: _InputPipe | None = None
+        self.cri = CriLogWriter(self._write_log)
+        self.output_done: dict[str, asyncio.Future[None]] = {}
+
+    def _write_log(self, entry: bytes) -> None:
+        if self.log is None:
+            return
+        try:
+            self.log.write(entry)
+        except OSError as exc:  # keep draining the container even if the disk is full
+            print(f"shim: log write failed: {exc}", file=sys.stderr)
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        if self.stdio.stdin is not None:
+            self.stdin = _InputPipe(self.stdio.stdin)
+        for stream, fd in self.stdio.outputs.items():
+            os.set_blocking(fd, False)
+            self.output_done[stream] = loop.create_future()
+            loop.add_reader(fd, self._on_output, stream, fd)
+        exited: asyncio.Future[None] = loop.create_future()
+        pidfd = os.pidfd_open(self.pid)
+        loop.add_reader(pidfd, _resolve, exited)
+        server = await asyncio.start_unix_server(self._serve_client, sock=self.listener)
+        try:
+            await exited
+            loop.remove_reader(pidfd)
+            exit_code = _reap(self.pid)
+            await self._drain_output()
+            self._flush_log()
+            atomic_write_json(
+                self.spec.exit_file,
+                {
+                    "exit_code": exit_code,
+                    "finished_at": time.time_ns(),
+                    # OOMKilled would need the cgroup's memory events; podgate sets no limits.
+                    "reason": "Completed" if exit_code == 0 else "Error",
+                },
+            )
+            server.close()
+            await self._close_clients(exit_code)
+        finally:
+            os.close(pidfd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.spec.attach_socket)
+            if self.stdin is not None:
+                self.stdin.close()
+            if self.stdio.master is not None:
+                os.close(self.stdio.master)
+        return 0
+
+    def _on_output(self, stream: str, fd: int) -> None:
+        try:
+            data = os.read(fd, READ_BYTES)
+        except BlockingIOError:
+            return
+        except OSError:  # EIO from a pty master once the last slave fd is closed
+            data = b""
+        if not data:
+            self._end_output(stream, fd)
+            return
+        self.cri.feed(stream, data, time.time_ns())
+        event: Event = Stderr(data) if stream == "stderr" else Stdout(data)
+        for writer, codec in list(self.clients.items()):
+            writer.write(codec.send(event))
+            if writer.transport.get_write_buffer_size() > CLIENT_OUTPUT_LIMIT:
+                print("shim: dropping an attached client that stopped reading", file=sys.stderr)
+                self._drop_client(writer)
+
+    def _end_output(self, stream: str, fd: int) -> None:
+        asyncio.get_running_loop().remove_reader(fd)
+        if fd != self.stdio.master:
+            os.close(fd)
+        self.cri.finish(stream, time.time_ns())
+        done = self.output_done[stream]
+        if not done.done():
+            done.set_result(None)
+
+    async def _drain_output(self) -> None:
+        try:
+            async with asyncio.timeout(OUTPUT_DRAIN_SECONDS):
+                await asyncio.gather(*self.output_done.values())
+        except TimeoutError:
+            # Something else in the container still holds the pipe: stop listening.
+            for stream, fd in self.stdio.outputs.items():
+                if not self.output_done[stream].done():
+                    self._end_output(stream, fd)
+
+    def _flush_log(self) -> None:
+        if self.log is not None:
+            try:
+                self.log.flush()
+                os.fsync(self.log.fileno())
+            except OSError as exc:
+                print(f"shim: log flush failed: {exc}", file=sys.stderr)
+
+    def _drop_client(self, writer: asyncio.StreamWriter) -> None:
+        self.clients.pop(writer, None)
+        writer.transport.abort()
+
+    async def _close_clients(self, exit_code: int) -> None:
+        writers = list(self.clients.items())
+        self.clients.clear()
+        for writer, codec in writers:
+            writer.write(codec.send(Exit(exit_code)))
+            writer.close()
+        if not writers:
+            return
+        try:
+            async with asyncio.timeout(CLIENT_CLOSE_SECONDS):
+                await asyncio.gather(*(w.wait_closed() for w, _ in writers), return_exceptions=True)
+        except TimeoutError:
+            for writer, _ in writers:
+                writer.transport.abort()
+
+    async def _serve_client(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        codec = AttachCodec(Role.SHIM)
+        self.clients[writer] = codec
+        try:
+            while writer in self.clients:
+                data = await reader.read(READ_BYTES)
+                if not data:
+                    codec.receive_eof()
+                    break
+                if not await self._handle(codec.receive_data(data)):
+                    break
+        except AttachProtocolError as exc:
+            print(f"shim: dropping attach client: {exc}", file=sys.stderr)
+        except ConnectionError:
+            pass
+        finally:
+            if self.clients.pop(writer, None) is not None:
+                writer.close()
+
+    async def _handle(self, events: list[Event]) -> bool:
+        """Apply one client's events; False when that client detaches."""
+        for event in events:
+            if isinstance(event, Stdin):
+                if self.stdin is not None:
+                    await self.stdin.write(event.data)
+            elif isinstance(event, StdinClose):
+                # containerd: with stdinOnce (and no tty) the container's stdin closes and
+                # the client keeps its output; otherwise the client's session just ends.
+                if not (self.spec.stdin_once and not self.spec.tty):
+                    return False
+                if self.stdin is not None:
+                    self.stdin.close()
+            elif isinstance(event, Resize) and self.stdio.master is not None:
+                winsize = struct.pack("HHHH", event.height, event.width, 0, 0)
+                with contextlib.suppress(OSError):
+                    fcntl.ioctl(self.stdio.master, termios.TIOCSWINSZ, winsize)
+        return True
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _reap(pid: int) -> int:
+    """Exit code of an exited child (its pidfd turned readable), 128+N for signal N."""
+    _, status = os.waitpid(pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    return 128 - code if code < 0 else code
+
+
+def _daemonize() -> None:
+    if os.fork() != 0:
+        os._exit(0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m podgate.linux.shim")
+    parser.add_argument("--spec", required=True, help="the shim spec (JSON)")
+    parser.add_argument("--foreground", action="store_true", help="do not fork away")
+    args = parser.parse_args(argv)
+    spec = ShimSpec.from_json(read_json(args.spec))
+    if not args.foreground:
+        _daemonize()
+    log: BinaryIO | None = None
+    listener: socket.socket | None = None
+    try:
+        if spec.log_file:
+            os.makedirs(os.path.dirname(os.path.abspath(spec.log_file)), exist_ok=True)
+            log = open(spec.log_file, "ab", buffering=0)  # noqa: SIM115 - lives until exit
+        listener = _listen(spec.attach_socket)
+        pid, stdio = _start_container(spec)
+    except (_StartError, OSError) as exc:
+        message = str(exc) if isinstance(exc, _StartError) else f"shim setup failed: {exc}"
+        print(f"shim: {message}", file=sys.stderr)
+        atomic_write_json(spec.ready_file, {"error": message})
+        if listener is not None:
+            listener.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(spec.attach_socket)
+        return 1
+    shim = process_ref(os.getpid())
+    container = process_ref(pid)
+    atomic_write_json(
+        spec.ready_file,
+        {
+            "shim_pid": shim.pid,
+            "shim_start_time": shim.start_time,
+            "container_pid": container.pid,
+            "container_start_time": container.start_time,
+            "started_at": time.time_ns(),
+        },
+    )
+    return asyncio.run(_Shim(spec, pid, stdio, listener, log).run())
+
+
+async def start_shim(
+    spec: ShimSpec,
+    *,
+    spec_file: str | None = None,
+    timeout: float = SHIM_START_TIMEOUT,
+) -> ShimReady:
+    """Start a detached shim for `spec` and wait until its container runs.
+
+    The spec is written to `spec_file` (default `<ready_file>.spec`), the shim's own stderr
+    goes to `spec.shim_log` (default `<ready_file>.log`). Raises ShimError with the shim's
+    message (e.g. the executable was not found) on failure.
+    """
+    spec_file = spec_file or f"{spec.ready_file}.spec"
+    log_file = spec.shim_log or f"{spec.ready_file}.log"
+    for stale in (spec.ready_file, spec.exit_file):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(stale)
+    atomic_write_json(spec_file, spec.to_json())
+    try:
+        await spawn_detached(
+            [sys.executable, "-m", "podgate.linux.shim", "--spec", spec_file], log_file
+        )
+        data = await wait_ready_file(spec.ready_file, timeout, log_file)
+    except SpawnError as exc:
+        raise ShimError(str(exc)) from exc
+    return ShimReady(
+        shim=ProcessRef(int(data["shim_pid"]), int(data["shim_start_time"])),
+        process=ProcessRef(int(data["container_pid"]), int(data["container_start_time"])),
+        started_at=int(data["started_at"]),
+    )
+
+
+# -- the client side of the attach socket
+
+
+class AttachStdin:
+    """The container's stdin as seen by one attached client: send, then send_eof."""
+
+    def __init__(self, conn: AttachConnection) -> None:
+        self._conn = conn
+
+    async def send(self, data: bytes) -> None:
+        await self._conn.send(data)
+
+    async def send_eof(self) -> None:
+        await self._conn.close_stdin()
+
+
+class AttachConnection:
+    """One client connection to a shim's attach socket.
+
+    Iterate it for Stdout/Stderr events; iteration ends when the container exited
+    (`exit_code` is then set) or the shim closed the connection (`exit_code` stays None).
+    """
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._reader = reader
+        self._writer = writer
+        self._codec = AttachCodec(Role.CLIENT)
+        self._events: list[Event] = []
+        self.exit_code: int | None = None
+        self.stdin = AttachStdin(self)
+
+    async def _write(self, event: Event) -> None:
+        self._writer.write(self._codec.send(event))
+        await self._writer.drain()
+
+    async def send(self, data: bytes) -> None:
+        if data:
+            await self._write(Stdin(bytes(data)))
+
+    async def close_stdin(self) -> None:
+        await self._write(StdinClose())
+
+    async def resize(self, width: int, height: int) -> None:
+        await self._write(Resize(width, height))
+
+    async def receive(self) -> Stdout | Stderr | None:
+        """The next output event; None at the end."""
+        while not self._events:
+            if self.exit_code is not None:
+                return None
+            data = await self._reader.read(READ_BYTES)
+            if not data:
+                self._codec.receive_eof()
+                return None
+            self._events = self._codec.receive_data(data)
+        event = self._events.pop(0)
+        if isinstance(event, Exit):
+            self.exit_code = event.code
+            return None
+        assert isinstance(event, Stdout | Stderr)
+        return event
+
+    def __aiter__(self) -> AsyncIterator[Stdout | Stderr]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[Stdout | Stderr]:
+        while (event := await self.receive()) is not None:
+            yield event
+
+    async def aclose(self) -> None:
+        self._writer.close()
+        with contextlib.suppress(OSError):
+            await self._writer.wait_closed()
+
+    async def __aenter__(self) -> AttachConnection:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+async def attach(socket_path: str) -> AttachConnection:
+    """Connect to a shim's attach socket (ConnectError if the shim is gone)."""
+    with map_os_errors():
+        reader, writer = await asyncio.open_unix_connection(socket_path)
+    return AttachConnection(reader, writer)
+
+
+async def _pump_stdin(conn: AttachConnection, io: ExecIO) -> None:
+    assert io.stdin is not None
+    try:
+        try:
+            while chunk := await io.stdin.receive():
+                await conn.send(chunk)
+        except StreamError:
+            pass  # the client's input broke: handled as its end, as containerd does
+        await conn.close_stdin()
+    except OSError:
+        pass  # the shim went away; the output side sees it
+
+
+async def _pump_resizes(conn: AttachConnection, io: ExecIO) -> None:
+    assert io.resizes is not None
+    with contextlib.suppress(OSError):
+        async for size in io.resizes:
+            await conn.resize(size.width, size.height)
+
+
+async def run_attach(socket_path: str, io: ExecIO) -> int:
+    """Bridge `io` to a running container (CRI attach).
+
+    Returns the container's exit code once it exits, or 0 when the client detached: its
+    stdin ended without stdinOnce (the shim ends that session), or its output side closed.
+    """
+    conn = await attach(socket_path)
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        if io.stdin is not None:
+            tasks.append(asyncio.create_task(_pump_stdin(conn, io), name="attach stdin"))
+        if io.resizes is not None:
+            tasks.append(asyncio.create_task(_pump_resizes(conn, io), name="attach resize"))
+        while (event := await conn.receive()) is not None:
+            target = io.stdout if isinstance(event, Stdout) or io.tty else io.stderr
+            if target is None:
+                continue
+            try:
+                await target.send(event.data)
+            except StreamError:
+                return 0  # the client went away: detach
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await conn.aclose()
+    return conn.exit_code if conn.exit_code is not None else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""podgate.runtime: pods and containers in Linux namespaces, and their CRI service."""

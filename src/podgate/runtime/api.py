@@ -1,0 +1,146 @@
+"""The runtime's interface, as the CRI service (and tests) see it.
+
+Errors are domain errors; the CRI layer maps them to gRPC codes in one place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from podgate.runtime.model import (
+    ContainerMetadata,
+    ContainerRecord,
+    ContainerSpec,
+    NamespaceMode,
+    PodMetadata,
+    PodRecord,
+)
+
+
+class RuntimeError_(Exception):
+    """Root of the runtime's domain errors."""
+
+
+class NotFoundError(RuntimeError_):
+    pass
+
+
+class InvalidArgumentError(RuntimeError_):
+    pass
+
+
+class FailedPreconditionError(RuntimeError_):
+    pass
+
+
+class ResourceExhaustedError(RuntimeError_):
+    pass
+
+
+class DeadlineExceededError(RuntimeError_):
+    pass
+
+
+@dataclass(slots=True)
+class PodConfig:
+    metadata: PodMetadata
+    hostname: str = ""
+    log_directory: str = ""
+    labels: dict[str, str] = field(default_factory=dict)
+    annotations: dict[str, str] = field(default_factory=dict)
+    pid_mode: NamespaceMode = NamespaceMode.CONTAINER
+    network_mode: NamespaceMode = NamespaceMode.POD  # NODE = host network
+    ipc_mode: NamespaceMode = NamespaceMode.POD
+    runtime_handler: str = ""
+
+
+@dataclass(slots=True)
+class ExecSyncResult:
+    stdout: bytes
+    stderr: bytes
+    exit_code: int
+
+
+@dataclass(slots=True)
+class RuntimeCondition:
+    type: str
+    status: bool
+    reason: str = ""
+    message: str = ""
+
+
+class RuntimeApi(Protocol):
+    name: str
+    version: str
+
+    # -- pods
+    async def run_pod(self, config: PodConfig) -> str: ...
+
+    async def stop_pod(self, pod_id: str) -> None:
+        """Idempotent; an unknown pod is not an error."""
+        ...
+
+    async def remove_pod(self, pod_id: str) -> None:
+        """Idempotent; an unknown pod is not an error. Removes its containers."""
+        ...
+
+    def get_pod(self, pod_id: str) -> PodRecord:
+        """NotFoundError if unknown. Accepts a unique id prefix, as crictl users expect."""
+        ...
+
+    def list_pods(self) -> list[PodRecord]: ...
+
+    # -- containers
+    async def create_container(
+        self,
+        pod_id: str,
+        metadata: ContainerMetadata,
+        spec: ContainerSpec,
+        labels: Mapping[str, str],
+        annotations: Mapping[str, str],
+    ) -> str: ...
+
+    async def start_container(self, container_id: str) -> None: ...
+
+    async def stop_container(self, container_id: str, timeout: float) -> None:
+        """SIGTERM, then SIGKILL after `timeout` seconds; idempotent."""
+        ...
+
+    async def remove_container(self, container_id: str) -> None:
+        """Idempotent; stops it first if running."""
+        ...
+
+    def get_container(self, container_id: str) -> ContainerRecord: ...
+
+    def list_containers(self) -> list[ContainerRecord]: ...
+
+    async def exec_sync(
+        self, container_id: str, command: Sequence[str], timeout: float
+    ) -> ExecSyncResult:
+        """Run to completion; output capped (16 MiB each); timeout 0 = none."""
+        ...
+
+    # -- streaming: each returns a one-time URL on the streaming server
+    def exec_url(
+        self,
+        container_id: str,
+        command: Sequence[str],
+        *,
+        tty: bool,
+        stdin: bool,
+        stdout: bool,
+        stderr: bool,
+    ) -> str: ...
+
+    def attach_url(
+        self, container_id: str, *, tty: bool, stdin: bool, stdout: bool, stderr: bool
+    ) -> str: ...
+
+    def port_forward_url(self, pod_id: str, ports: Sequence[int]) -> str: ...
+
+    # -- runtime
+    def conditions(self) -> list[RuntimeCondition]: ...
+
+    def update_runtime_config(self, pod_cidr: str) -> None: ...

@@ -1,0 +1,356 @@
+"""CRI messages ↔ podgate's runtime records, and the request checks done before the runtime.
+
+Pure functions: no I/O, no clock. A request that cannot be honoured raises InvalidArgumentError
+(mapped to INVALID_ARGUMENT in errors.py).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from podgate.runtime.api import InvalidArgumentError, PodConfig, RuntimeCondition
+from podgate.runtime.cri import api_pb2 as pb
+from podgate.runtime.model import (
+    ContainerMetadata,
+    ContainerRecord,
+    ContainerSpec,
+    ContainerState,
+    NamespaceMode,
+    PodMetadata,
+    PodRecord,
+    PodState,
+)
+
+# Ports are 16-bit and port 0 cannot be connected to.
+MIN_PORT = 1
+MAX_PORT = 65535
+
+_POD_STATES: dict[PodState, pb.PodSandboxState.ValueType] = {
+    PodState.READY: pb.SANDBOX_READY,
+    PodState.NOTREADY: pb.SANDBOX_NOTREADY,
+}
+_CONTAINER_STATES: dict[ContainerState, pb.ContainerState.ValueType] = {
+    ContainerState.CREATED: pb.CONTAINER_CREATED,
+    ContainerState.RUNNING: pb.CONTAINER_RUNNING,
+    ContainerState.EXITED: pb.CONTAINER_EXITED,
+    ContainerState.UNKNOWN: pb.CONTAINER_UNKNOWN,
+}
+_NAMESPACE_MODES: dict[NamespaceMode, pb.NamespaceMode.ValueType] = {
+    NamespaceMode.POD: pb.POD,
+    NamespaceMode.CONTAINER: pb.CONTAINER,
+    NamespaceMode.NODE: pb.NODE,
+    NamespaceMode.TARGET: pb.TARGET,
+}
+_NAMESPACE_MODES_FROM_PB = {value: mode for mode, value in _NAMESPACE_MODES.items()}
+
+
+# ---------------------------------------------------------------------------- request checks
+
+
+def require(value: str, field: str) -> str:
+    if not value:
+        raise InvalidArgumentError(f"{field} is required")
+    return value
+
+
+def timeout_seconds(value: int, field: str = "timeout") -> float:
+    """A CRI timeout in whole seconds; 0 means none (ExecSync) or at once (StopContainer)."""
+    if value < 0:
+        raise InvalidArgumentError(f"{field} must not be negative, got {value}")
+    return float(value)
+
+
+def check_stdio(*, tty: bool, stdin: bool, stdout: bool, stderr: bool) -> None:
+    """The streaming server's GetExec/GetAttach rules."""
+    if tty and stderr:
+        raise InvalidArgumentError("tty and stderr cannot both be true")
+    if not (stdin or stdout or stderr):
+        raise InvalidArgumentError("one of stdin, stdout, or stderr must be set")
+
+
+def command(cmd: Sequence[str]) -> list[str]:
+    if not cmd:
+        raise InvalidArgumentError("cmd is required")
+    return list(cmd)
+
+
+def ports(values: Iterable[int]) -> list[int]:
+    """Ports to forward; an empty list is allowed (SPDY clients name ports per stream)."""
+    result = list(values)
+    for port in result:
+        if not MIN_PORT <= port <= MAX_PORT:
+            raise InvalidArgumentError(
+                f"port {port} is out of range, must be {MIN_PORT}..{MAX_PORT}"
+            )
+    return result
+
+
+def namespace_mode(value: int, field: str) -> NamespaceMode:
+    try:
+        return _NAMESPACE_MODES_FROM_PB[pb.NamespaceMode.ValueType(value)]
+    except KeyError:
+        raise InvalidArgumentError(f"{field}: unknown namespace mode {value}") from None
+
+
+# ---------------------------------------------------------------------------- requests → domain
+
+
+def pod_config(request: pb.RunPodSandboxRequest) -> PodConfig:
+    if not request.HasField("config"):
+        raise InvalidArgumentError("config is required")
+    config = request.config
+    if not config.HasField("metadata"):
+        raise InvalidArgumentError("config.metadata is required")
+    metadata = config.metadata
+    require(metadata.name, "config.metadata.name")
+    # An absent namespace_options reads as pid=POD, the CRI default.
+    pid = config.linux.security_context.namespace_options.pid
+    pid_mode = namespace_mode(pid, "config.linux.security_context.namespace_options.pid")
+    if pid_mode is NamespaceMode.TARGET:
+        raise InvalidArgumentError("a pod sandbox cannot take its pid namespace from a target")
+    options = config.linux.security_context.namespace_options
+    network_mode = namespace_mode(options.network, "namespace_options.network")
+    ipc_mode = namespace_mode(options.ipc, "namespace_options.ipc")
+    for mode, name in ((network_mode, "network"), (ipc_mode, "ipc")):
+        if mode not in (NamespaceMode.POD, NamespaceMode.NODE):
+            raise InvalidArgumentError(f"namespace_options.{name}: only POD or NODE")
+    return PodConfig(
+        metadata=PodMetadata(
+            name=metadata.name,
+            namespace=metadata.namespace,
+            uid=metadata.uid,
+            attempt=metadata.attempt,
+        ),
+        hostname=config.hostname,
+        log_directory=config.log_directory,
+        labels=dict(config.labels),
+        annotations=dict(config.annotations),
+        pid_mode=pid_mode,
+        network_mode=network_mode,
+        ipc_mode=ipc_mode,
+        runtime_handler=request.runtime_handler,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerRequest:
+    """CreateContainer's arguments, in the runtime's terms."""
+
+    pod_id: str
+    metadata: ContainerMetadata
+    spec: ContainerSpec
+    labels: dict[str, str]
+    annotations: dict[str, str]
+
+
+def mount_to_dict(mount: pb.Mount) -> dict[str, Any]:
+    return {
+        "container_path": mount.container_path,
+        "host_path": mount.host_path,
+        "readonly": mount.readonly,
+        "selinux_relabel": mount.selinux_relabel,
+        "propagation": pb.MountPropagation.Name(mount.propagation),
+        "recursive_read_only": mount.recursive_read_only,
+    }
+
+
+def mount_from_dict(data: Mapping[str, Any]) -> pb.Mount:
+    propagation = str(data.get("propagation", "PROPAGATION_PRIVATE"))
+    return pb.Mount(
+        container_path=str(data.get("container_path", "")),
+        host_path=str(data.get("host_path", "")),
+        readonly=bool(data.get("readonly", False)),
+        selinux_relabel=bool(data.get("selinux_relabel", False)),
+        propagation=pb.MountPropagation.Value(propagation),
+        recursive_read_only=bool(data.get("recursive_read_only", False)),
+    )
+
+
+def container_request(request: pb.CreateContainerRequest) -> ContainerRequest:
+    pod_id = require(request.pod_sandbox_id, "pod_sandbox_id")
+    if not request.HasField("config"):
+        raise InvalidArgumentError("config is required")
+    config = request.config
+    if not config.HasField("metadata"):
+        raise InvalidArgumentError("config.metadata is required")
+    require(config.metadata.name, "config.metadata.name")
+    security = config.linux.security_context
+    if security.run_as_username:
+        # Resolving a user name needs the image's /etc/passwd; podgate has no images.
+        raise InvalidArgumentError("run_as_username is not supported; use run_as_user")
+    run_as_user = security.run_as_user.value if security.HasField("run_as_user") else None
+    run_as_group = security.run_as_group.value if security.HasField("run_as_group") else None
+    if run_as_group is not None and run_as_user is None:
+        raise InvalidArgumentError("run_as_group needs run_as_user")
+    pid_mode = namespace_mode(
+        security.namespace_options.pid, "config.linux.security_context.namespace_options.pid"
+    )
+    if pid_mode is NamespaceMode.TARGET:
+        # ContainerSpec has nowhere to carry target_id.
+        raise InvalidArgumentError("pid namespace mode TARGET is not supported")
+    spec = ContainerSpec(
+        command=list(config.command),
+        args=list(config.args),
+        working_dir=config.working_dir,
+        envs={env.key: env.value for env in config.envs},
+        image=config.image.image,
+        run_as_user=run_as_user,
+        run_as_group=run_as_group,
+        stdin=config.stdin,
+        stdin_once=config.stdin_once,
+        tty=config.tty,
+        log_path=config.log_path,
+        pid_mode=pid_mode,
+        mounts=[mount_to_dict(mount) for mount in config.mounts],
+    )
+    return ContainerRequest(
+        pod_id=pod_id,
+        metadata=ContainerMetadata(name=config.metadata.name, attempt=config.metadata.attempt),
+        spec=spec,
+        labels=dict(config.labels),
+        annotations=dict(config.annotations),
+    )
+
+
+def pod_cidr(request: pb.UpdateRuntimeConfigRequest) -> str:
+    return request.runtime_config.network_config.pod_cidr
+
+
+# ---------------------------------------------------------------------------- domain → messages
+
+
+def pod_state(state: PodState) -> pb.PodSandboxState.ValueType:
+    return _POD_STATES[state]
+
+
+def container_state(state: ContainerState) -> pb.ContainerState.ValueType:
+    return _CONTAINER_STATES[state]
+
+
+def matches_selector(labels: Mapping[str, str], selector: Mapping[str, str]) -> bool:
+    """CRI label selectors are MatchLabels only, ANDed."""
+    return all(labels.get(key) == value for key, value in selector.items())
+
+
+def pod_metadata(metadata: PodMetadata) -> pb.PodSandboxMetadata:
+    return pb.PodSandboxMetadata(
+        name=metadata.name,
+        uid=metadata.uid,
+        namespace=metadata.namespace,
+        attempt=metadata.attempt,
+    )
+
+
+def pod_sandbox(record: PodRecord) -> pb.PodSandbox:
+    return pb.PodSandbox(
+        id=record.id,
+        metadata=pod_metadata(record.metadata),
+        state=pod_state(record.state),
+        created_at=record.created_at,
+        labels=record.labels,
+        annotations=record.annotations,
+        runtime_handler=record.runtime_handler,
+    )
+
+
+def pod_sandbox_status(record: PodRecord) -> pb.PodSandboxStatus:
+    options = pb.NamespaceOption(
+        pid=_NAMESPACE_MODES[record.pid_mode],
+        network=_NAMESPACE_MODES[record.network_mode],
+        ipc=_NAMESPACE_MODES[record.ipc_mode],
+    )
+    return pb.PodSandboxStatus(
+        id=record.id,
+        metadata=pod_metadata(record.metadata),
+        state=pod_state(record.state),
+        created_at=record.created_at,
+        network=pb.PodSandboxNetworkStatus(
+            ip=record.ip,
+            additional_ips=[pb.PodIP(ip=ip) for ip in record.additional_ips if ip != record.ip],
+        ),
+        linux=pb.LinuxPodSandboxStatus(namespaces=pb.Namespace(options=options)),
+        labels=record.labels,
+        annotations=record.annotations,
+        runtime_handler=record.runtime_handler,
+    )
+
+
+def pod_info(record: PodRecord) -> dict[str, str]:
+    """PodSandboxStatus `info` for verbose requests: one JSON document, as containerd's."""
+    ns_process = record.ns_process or record.holder
+    info = {
+        "pid": ns_process.pid if ns_process else 0,
+        "holderPid": record.holder.pid if record.holder else 0,
+        "hostname": record.hostname,
+        "logDirectory": record.log_directory,
+        "runtimeHandler": record.runtime_handler,
+        "pidMode": record.pid_mode.name,
+        "extra": record.extra,
+    }
+    return {"info": json.dumps(info, sort_keys=True, default=str)}
+
+
+def container_metadata(metadata: ContainerMetadata) -> pb.ContainerMetadata:
+    return pb.ContainerMetadata(name=metadata.name, attempt=metadata.attempt)
+
+
+def container(record: ContainerRecord) -> pb.Container:
+    # No images: the reference the container was created with is the best identity there is.
+    image = record.spec.image
+    return pb.Container(
+        id=record.id,
+        pod_sandbox_id=record.pod_id,
+        metadata=container_metadata(record.metadata),
+        image=pb.ImageSpec(image=image),
+        image_ref=image,
+        state=container_state(record.state),
+        created_at=record.created_at,
+        labels=record.labels,
+        annotations=record.annotations,
+        image_id=image,
+    )
+
+
+def container_status(record: ContainerRecord) -> pb.ContainerStatus:
+    image = record.spec.image
+    return pb.ContainerStatus(
+        id=record.id,
+        metadata=container_metadata(record.metadata),
+        state=container_state(record.state),
+        created_at=record.created_at,
+        started_at=record.started_at,
+        finished_at=record.finished_at,
+        exit_code=record.exit_code,
+        image=pb.ImageSpec(image=image),
+        image_ref=image,
+        reason=record.reason,
+        message=record.message,
+        labels=record.labels,
+        annotations=record.annotations,
+        mounts=[mount_from_dict(mount) for mount in record.spec.mounts],
+        log_path=record.log_file,
+        image_id=image,
+    )
+
+
+def container_info(record: ContainerRecord) -> dict[str, str]:
+    """ContainerStatus `info` for verbose requests; crictl reads `info.pid` from it."""
+    info = {
+        "sandboxID": record.pod_id,
+        "pid": record.process.pid if record.process else 0,
+        "logPath": record.log_file,
+        "config": asdict(record.spec),
+    }
+    return {"info": json.dumps(info, sort_keys=True, default=str)}
+
+
+def runtime_condition(condition: RuntimeCondition) -> pb.RuntimeCondition:
+    return pb.RuntimeCondition(
+        type=condition.type,
+        status=condition.status,
+        reason=condition.reason,
+        message=condition.message,
+    )

@@ -1,0 +1,78 @@
+"""Domain errors → gRPC status codes: the one place the CRI service maps them.
+
+Every servicer method is wrapped with `cri_method`. A domain error becomes its status code with
+the error's message as details; anything else becomes INTERNAL and is logged with its traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeAlias, TypeVar
+
+import grpc
+import grpc.aio
+
+from podgate.runtime.api import (
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    ResourceExhaustedError,
+)
+
+log = logging.getLogger(__name__)
+
+Context: TypeAlias = grpc.aio.ServicerContext[Any, Any]
+
+# Checked in order, so a subclass must come before its base.
+ERROR_CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
+    (NotFoundError, grpc.StatusCode.NOT_FOUND),
+    (InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),
+    (FailedPreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
+    (ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (DeadlineExceededError, grpc.StatusCode.DEADLINE_EXCEEDED),
+)
+
+_Servicer = TypeVar("_Servicer")
+_Request = TypeVar("_Request")
+_Response = TypeVar("_Response")
+
+
+def status_code(exc: BaseException) -> grpc.StatusCode:
+    """The status a failed call answers with: a domain error's own code, else INTERNAL."""
+    for error_type, code in ERROR_CODES:
+        if isinstance(exc, error_type):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def cri_method(
+    method: Callable[[_Servicer, _Request, Context], Awaitable[_Response]],
+) -> Callable[[_Servicer, _Request, Context], Coroutine[Any, Any, _Response]]:
+    """Wrap a servicer method: map its errors to a status and log how the call went."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    async def wrapper(self: _Servicer, request: _Request, context: Context) -> _Response:
+        started = time.monotonic()
+        try:
+            response = await method(self, request, context)
+        except grpc.aio.AbortError:
+            # The method chose its status itself (UNIMPLEMENTED and the like).
+            raise
+        except Exception as exc:
+            code = status_code(exc)
+            details = str(exc) or type(exc).__name__
+            elapsed = time.monotonic() - started
+            if code is grpc.StatusCode.INTERNAL:
+                log.exception("cri %s failed after %.3fs: %s", name, elapsed, details)
+            else:
+                log.debug("cri %s: %s after %.3fs: %s", name, code.name, elapsed, details)
+            await context.abort(code, details)
+        log.debug("cri %s ok in %.3fs", name, time.monotonic() - started)
+        return response
+
+    return wrapper

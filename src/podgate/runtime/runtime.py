@@ -1,0 +1,546 @@
+"""Pods and containers in Linux namespaces: the runtime behind the CRI service.
+
+A pod is held by a small holder process that owns its network, UTS and IPC namespaces (and PID
+namespace when the pod shares one). Each container runs under its own shim, which keeps its
+stdio, writes its CRI log and records its exit code. Neither is a child that dies with the
+daemon: a restarted daemon reads its records and finds them again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import signal
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from podgate import __version__
+from podgate.linux import holder as holder_mod
+from podgate.linux import shim as shim_mod
+from podgate.linux.proc import is_alive, read_json
+from podgate.proto import remotecommand as rc
+from podgate.proto.upgrade import StreamKind
+from podgate.runtime.api import (
+    DeadlineExceededError,
+    ExecSyncResult,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    PodConfig,
+    ResourceExhaustedError,
+    RuntimeCondition,
+)
+from podgate.runtime.model import (
+    ContainerMetadata,
+    ContainerRecord,
+    ContainerSpec,
+    ContainerState,
+    NamespaceMode,
+    PodRecord,
+    PodState,
+)
+from podgate.runtime.store import Store
+from podgate.runtime.streaming import PendingStream, StreamingServer
+from podgate.streaming.target import PodRef
+from podgate.streaming.tokens import TooManyRequestsError
+
+log = logging.getLogger(__name__)
+
+# ExecSync output kept per stream; more is dropped (as the kubelet's exec probes expect).
+EXEC_SYNC_MAX_OUTPUT = 16 * 1024 * 1024
+# Grace given to containers still running when their pod is stopped.
+POD_STOP_GRACE_SECONDS = 2.0
+# How long a stopped process may take to disappear after SIGKILL.
+KILL_WAIT_SECONDS = 10.0
+NSENTER = "/usr/bin/nsenter"
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def now_ns() -> int:
+    return time.time_ns()
+
+
+class Runtime:
+    """Implements podgate.runtime.api.RuntimeApi."""
+
+    name = "podgate"
+    version = __version__
+
+    def __init__(self, state_dir: str | Path) -> None:
+        self.store = Store(state_dir)
+        self.pods: dict[str, PodRecord] = {}
+        self.containers: dict[str, ContainerRecord] = {}
+        self.streaming: StreamingServer | None = None
+        self.pod_cidr = ""
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    # ------------------------------------------------------------------ startup
+    def load(self) -> None:
+        """Read records and bring states up to date with what really runs."""
+        pods, containers = self.store.load()
+        self.pods = {p.id: p for p in pods}
+        self.containers = {c.id: c for c in containers}
+        for pod in self.pods.values():
+            self._refresh_pod(pod)
+        for container in self.containers.values():
+            self._refresh_container(container)
+        log.info("loaded %d pods and %d containers", len(self.pods), len(self.containers))
+
+    def _lock(self, object_id: str) -> asyncio.Lock:
+        lock = self._locks.get(object_id)
+        if lock is None:
+            lock = self._locks[object_id] = asyncio.Lock()
+        return lock
+
+    # ------------------------------------------------------------------ lookups
+    def _find(self, table: Mapping[str, object], object_id: str, kind: str) -> str:
+        if not object_id:
+            raise InvalidArgumentError(f"{kind} id is empty")
+        if object_id in table:
+            return object_id
+        matches = [k for k in table if k.startswith(object_id)]
+        if len(matches) == 1:
+            return matches[0]
+        if len(matches) > 1:
+            raise InvalidArgumentError(f"{kind} id prefix {object_id!r} is ambiguous")
+        raise NotFoundError(f"{kind} {object_id!r} not found")
+
+    def get_pod(self, pod_id: str) -> PodRecord:
+        pod = self.pods[self._find(self.pods, pod_id, "pod sandbox")]
+        self._refresh_pod(pod)
+        return pod
+
+    def list_pods(self) -> list[PodRecord]:
+        for pod in self.pods.values():
+            self._refresh_pod(pod)
+        return sorted(self.pods.values(), key=lambda p: p.created_at)
+
+    def get_container(self, container_id: str) -> ContainerRecord:
+        container = self.containers[self._find(self.containers, container_id, "container")]
+        self._refresh_container(container)
+        return container
+
+    def list_containers(self) -> list[ContainerRecord]:
+        for container in self.containers.values():
+            self._refresh_container(container)
+        return sorted(self.containers.values(), key=lambda c: c.created_at)
+
+    def pod_containers(self, pod_id: str) -> list[ContainerRecord]:
+        return [c for c in self.list_containers() if c.pod_id == pod_id]
+
+    # ------------------------------------------------------------------ state refresh
+    def _refresh_pod(self, pod: PodRecord) -> None:
+        if pod.state is PodState.READY and (
+            pod.holder is None
+            or not is_alive(pod.holder)
+            or (pod.ns_process is not None and not is_alive(pod.ns_process))
+        ):
+            log.info("pod %s: holder is gone; marking it not ready", pod.id[:12])
+            pod.state = PodState.NOTREADY
+            self.store.save_pod(pod)
+
+    def _refresh_container(self, container: ContainerRecord) -> None:
+        if container.state is not ContainerState.RUNNING:
+            return
+        exit_file = self.store.run_path(container.id) / "exit.json"
+        if exit_file.exists():
+            data = read_json(str(exit_file))
+            container.state = ContainerState.EXITED
+            container.exit_code = int(data["exit_code"])
+            container.finished_at = int(data.get("finished_at") or now_ns())
+            container.reason = str(
+                data.get("reason") or ("Completed" if container.exit_code == 0 else "Error")
+            )
+            self.store.save_container(container)
+        elif (
+            container.shim is not None
+            and not is_alive(container.shim)
+            and (container.process is None or not is_alive(container.process))
+        ):
+            # The shim died without recording an exit: the code is not known.
+            container.state = ContainerState.EXITED
+            container.exit_code = 255
+            container.finished_at = now_ns()
+            container.reason = "Unknown"
+            container.message = "container shim exited without recording an exit code"
+            self.store.save_container(container)
+
+    # ------------------------------------------------------------------ pods
+    async def run_pod(self, config: PodConfig) -> str:
+        meta = config.metadata
+        if not meta.name or not meta.namespace:
+            raise InvalidArgumentError("pod metadata needs a name and a namespace")
+        for pod in self.pods.values():
+            m = pod.metadata
+            if (m.name, m.namespace, m.uid, m.attempt) == (
+                meta.name,
+                meta.namespace,
+                meta.uid,
+                meta.attempt,
+            ) and pod.state is PodState.READY:
+                raise FailedPreconditionError(
+                    f"pod sandbox {meta.namespace}/{meta.name} (attempt {meta.attempt}) "
+                    f"is already running as {pod.id}"
+                )
+        pod_id = secrets.token_hex(32)
+        log_dir = config.log_directory or str(
+            self.store.logs_dir / f"{meta.namespace}_{meta.name}_{meta.uid or pod_id[:12]}"
+        )
+        pod = PodRecord(
+            id=pod_id,
+            metadata=meta,
+            state=PodState.NOTREADY,
+            created_at=now_ns(),
+            hostname=config.hostname or meta.name,
+            log_directory=log_dir,
+            runtime_handler=config.runtime_handler,
+            labels=dict(config.labels),
+            annotations=dict(config.annotations),
+            pid_mode=config.pid_mode,
+            network_mode=config.network_mode,
+            ipc_mode=config.ipc_mode,
+        )
+        run = self.store.run_path(pod_id)
+        async with self._lock(pod_id):
+            holder, ns_process = await holder_mod.start_holder(
+                hostname=pod.hostname,
+                pid_ns=pod.pid_mode is NamespaceMode.POD,
+                ready_file=str(run / "holder.json"),
+                log_file=str(run / "holder.log"),
+            )
+            pod.holder, pod.ns_process = holder, ns_process
+            pod.state = PodState.READY
+            self.store.ensure_dir(log_dir)
+            self.pods[pod_id] = pod
+            self.store.save_pod(pod)
+        log.info("pod %s/%s running as %s", meta.namespace, meta.name, pod_id[:12])
+        return pod_id
+
+    async def stop_pod(self, pod_id: str) -> None:
+        try:
+            pod = self.get_pod(pod_id)
+        except NotFoundError:
+            return
+        async with self._lock(pod.id):
+            for container in self.pod_containers(pod.id):
+                await self._stop_container(container, POD_STOP_GRACE_SECONDS)
+            if pod.holder is not None:
+                await holder_mod.stop_holder(pod.holder)
+            pod.state = PodState.NOTREADY
+            self.store.save_pod(pod)
+
+    async def remove_pod(self, pod_id: str) -> None:
+        try:
+            pod = self.get_pod(pod_id)
+        except NotFoundError:
+            return
+        await self.stop_pod(pod.id)
+        for container in self.pod_containers(pod.id):
+            await self.remove_container(container.id)
+        self.pods.pop(pod.id, None)
+        self.store.delete_pod(pod.id)
+        self.store.remove_run_path(pod.id)
+
+    def pod_netns_path(self, pod: PodRecord) -> str:
+        if pod.state is not PodState.READY or pod.ns_process is None:
+            raise FailedPreconditionError(f"pod sandbox {pod.id} is not ready")
+        return f"/proc/{pod.ns_process.pid}/ns/net"
+
+    # ------------------------------------------------------------------ containers
+    async def create_container(
+        self,
+        pod_id: str,
+        metadata: ContainerMetadata,
+        spec: ContainerSpec,
+        labels: Mapping[str, str],
+        annotations: Mapping[str, str],
+    ) -> str:
+        pod = self.get_pod(pod_id)
+        if pod.state is not PodState.READY:
+            raise FailedPreconditionError(f"pod sandbox {pod.id} is not ready")
+        if not metadata.name:
+            raise InvalidArgumentError("container metadata needs a name")
+        if not spec.command and not spec.args:
+            raise InvalidArgumentError("container needs a command")
+        if spec.tty and not spec.stdin and spec.stdin_once:
+            raise InvalidArgumentError("stdin_once needs stdin")
+        for other in self.pod_containers(pod.id):
+            if (other.metadata.name, other.metadata.attempt) == (metadata.name, metadata.attempt):
+                raise FailedPreconditionError(
+                    f"container {metadata.name!r} (attempt {metadata.attempt}) already exists "
+                    f"in pod {pod.id}: {other.id}"
+                )
+        container_id = secrets.token_hex(32)
+        log_file = ""
+        if spec.log_path:
+            log_file = str(Path(pod.log_directory) / spec.log_path)
+        elif pod.log_directory:
+            log_file = str(Path(pod.log_directory) / metadata.name / f"{metadata.attempt}.log")
+        container = ContainerRecord(
+            id=container_id,
+            pod_id=pod.id,
+            metadata=metadata,
+            spec=spec,
+            state=ContainerState.CREATED,
+            created_at=now_ns(),
+            log_file=log_file,
+            labels=dict(labels),
+            annotations=dict(annotations),
+        )
+        self.containers[container_id] = container
+        self.store.save_container(container)
+        return container_id
+
+    async def start_container(self, container_id: str) -> None:
+        container = self.get_container(container_id)
+        async with self._lock(container.id):
+            if container.state is not ContainerState.CREATED:
+                raise FailedPreconditionError(
+                    f"container {container.id} is {container.state.value}, not created"
+                )
+            pod = self.get_pod(container.pod_id)
+            if pod.state is not PodState.READY or pod.ns_process is None:
+                raise FailedPreconditionError(f"pod sandbox {pod.id} is not ready")
+            run = self.store.run_path(container.id)
+            spec = container.spec
+            env = {"PATH": DEFAULT_PATH, "HOSTNAME": pod.hostname, **spec.envs}
+            if spec.tty:
+                env.setdefault("TERM", "xterm")
+            if container.log_file:
+                self.store.ensure_dir(str(Path(container.log_file).parent))
+            shim_spec = shim_mod.ShimSpec(
+                container_id=container.id,
+                command=[*spec.command, *spec.args],
+                env=env,
+                working_dir=spec.working_dir,
+                root_dir=spec.root_dir,
+                uid=spec.run_as_user,
+                gid=spec.run_as_group,
+                tty=spec.tty,
+                stdin=spec.stdin,
+                stdin_once=spec.stdin_once,
+                ns_pid=pod.ns_process.pid,
+                pid_mode=spec.pid_mode
+                if pod.pid_mode is not NamespaceMode.POD
+                else NamespaceMode.POD,
+                log_file=container.log_file,
+                exit_file=str(run / "exit.json"),
+                attach_socket=str(run / "attach.sock"),
+                ready_file=str(run / "ready.json"),
+                shim_log=str(run / "shim.log"),
+            )
+            try:
+                ready = await shim_mod.start_shim(shim_spec)
+            except shim_mod.ShimError as exc:
+                container.state = ContainerState.EXITED
+                container.exit_code = 128
+                container.finished_at = container.started_at = now_ns()
+                container.reason = "StartError"
+                container.message = str(exc)
+                self.store.save_container(container)
+                raise FailedPreconditionError(f"failed to start container: {exc}") from exc
+            container.shim = ready.shim
+            container.process = ready.process
+            container.started_at = now_ns()
+            container.state = ContainerState.RUNNING
+            self.store.save_container(container)
+
+    async def stop_container(self, container_id: str, timeout: float) -> None:
+        container = self.get_container(container_id)
+        async with self._lock(container.id):
+            await self._stop_container(container, timeout)
+
+    async def _stop_container(self, container: ContainerRecord, timeout: float) -> None:
+        self._refresh_container(container)
+        if container.state is ContainerState.CREATED:
+            container.state = ContainerState.EXITED
+            container.finished_at = now_ns()
+            container.reason = "Stopped"
+            self.store.save_container(container)
+            return
+        if container.state is not ContainerState.RUNNING or container.process is None:
+            return
+        process = container.process
+        if is_alive(process):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signal.SIGTERM)
+            if not await self._wait_exit(container, timeout):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, signal.SIGKILL)
+        if not await self._wait_exit(container, KILL_WAIT_SECONDS):
+            log.warning("container %s did not report its exit", container.id[:12])
+        self._refresh_container(container)
+
+    async def _wait_exit(self, container: ContainerRecord, timeout: float) -> bool:
+        deadline = time.monotonic() + max(timeout, 0.0)
+        while True:
+            self._refresh_container(container)
+            if container.state is not ContainerState.RUNNING:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.02)
+
+    async def remove_container(self, container_id: str) -> None:
+        try:
+            container = self.get_container(container_id)
+        except NotFoundError:
+            return
+        async with self._lock(container.id):
+            await self._stop_container(container, 0)
+            self.containers.pop(container.id, None)
+            self.store.delete_container(container.id)
+            if container.log_file:
+                self.store.remove_file(container.log_file)
+            self.store.remove_run_path(container.id)
+
+    # ------------------------------------------------------------------ exec
+    def running_container(self, container_id: str) -> ContainerRecord:
+        container = self.get_container(container_id)
+        if container.state is not ContainerState.RUNNING or container.process is None:
+            raise FailedPreconditionError(
+                f"container {container.id} is not running (state {container.state.value})"
+            )
+        return container
+
+    def exec_argv(self, container: ContainerRecord, command: Sequence[str]) -> list[str]:
+        """nsenter into every namespace of the container's main process, then run `command`
+        with the container's environment, user and working directory."""
+        assert container.process is not None
+        spec = container.spec
+        argv = [
+            NSENTER,
+            "--target",
+            str(container.process.pid),
+            "--mount",
+            "--uts",
+            "--ipc",
+            "--net",
+            "--pid",
+            "--root",
+            "--wd",
+        ]
+        if spec.run_as_group is not None:
+            argv += ["--setgid", str(spec.run_as_group)]
+        if spec.run_as_user is not None:
+            argv += ["--setuid", str(spec.run_as_user)]
+        pod = self.pods.get(container.pod_id)
+        env = {"PATH": DEFAULT_PATH, "HOSTNAME": pod.hostname if pod else "", **spec.envs}
+        return [*argv, "--", "/usr/bin/env", "-i", *(f"{k}={v}" for k, v in env.items()), *command]
+
+    async def exec_sync(
+        self, container_id: str, command: Sequence[str], timeout: float
+    ) -> ExecSyncResult:
+        container = self.running_container(container_id)
+        if not command:
+            raise InvalidArgumentError("exec needs a command")
+        proc = await asyncio.create_subprocess_exec(
+            *self.exec_argv(container, command),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
+        )
+        assert proc.stdout is not None and proc.stderr is not None
+
+        async def capped(stream: asyncio.StreamReader) -> bytes:
+            kept = bytearray()
+            while chunk := await stream.read(256 * 1024):
+                room = EXEC_SYNC_MAX_OUTPUT - len(kept)
+                if room > 0:
+                    kept += chunk[:room]
+            return bytes(kept)
+
+        gathered = asyncio.gather(capped(proc.stdout), capped(proc.stderr), proc.wait())
+        try:
+            async with asyncio.timeout(timeout if timeout > 0 else None):
+                out, err, code = await gathered
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+            gathered.cancel()
+            raise DeadlineExceededError(
+                f"command {list(command)} timed out after {timeout:g}s"
+            ) from None
+        return ExecSyncResult(out, err, 128 - code if code < 0 else code)
+
+    # ------------------------------------------------------------------ streaming URLs
+    def pod_ref(self, pod: PodRecord) -> PodRef:
+        return PodRef(pod.metadata.namespace, pod.metadata.name, pod.metadata.uid, pod.id)
+
+    def _url(self, pending: PendingStream) -> str:
+        if self.streaming is None:
+            raise FailedPreconditionError("the streaming server is not running")
+        try:
+            return self.streaming.url_for(pending)
+        except TooManyRequestsError as exc:
+            raise ResourceExhaustedError(str(exc)) from exc
+
+    def exec_url(
+        self,
+        container_id: str,
+        command: Sequence[str],
+        *,
+        tty: bool,
+        stdin: bool,
+        stdout: bool,
+        stderr: bool,
+    ) -> str:
+        container = self.running_container(container_id)
+        _check_stdio(tty, stdin, stdout, stderr)
+        if not command:
+            raise InvalidArgumentError("exec needs a command")
+        options = rc.ExecOptions(
+            tuple(command), container.metadata.name, stdin, stdout, stderr, tty
+        )
+        pod = self.pods[container.pod_id]
+        return self._url(PendingStream(StreamKind.EXEC, self.pod_ref(pod), container.id, options))
+
+    def attach_url(
+        self, container_id: str, *, tty: bool, stdin: bool, stdout: bool, stderr: bool
+    ) -> str:
+        container = self.running_container(container_id)
+        _check_stdio(tty, stdin, stdout, stderr)
+        if tty != container.spec.tty:
+            raise InvalidArgumentError(
+                f"tty {tty} does not match the container's tty {container.spec.tty}"
+            )
+        options = rc.ExecOptions((), container.metadata.name, stdin, stdout, stderr, tty)
+        pod = self.pods[container.pod_id]
+        return self._url(PendingStream(StreamKind.ATTACH, self.pod_ref(pod), container.id, options))
+
+    def port_forward_url(self, pod_id: str, ports: Sequence[int]) -> str:
+        pod = self.get_pod(pod_id)
+        if pod.state is not PodState.READY:
+            raise FailedPreconditionError(f"pod sandbox {pod.id} is not ready")
+        for port in ports:
+            if not 1 <= port <= 65535:
+                raise InvalidArgumentError(f"invalid port {port}")
+        return self._url(
+            PendingStream(StreamKind.PORTFORWARD, self.pod_ref(pod), None, None, tuple(ports))
+        )
+
+    # ------------------------------------------------------------------ runtime
+    def conditions(self) -> list[RuntimeCondition]:
+        return [
+            RuntimeCondition("RuntimeReady", True),
+            RuntimeCondition("NetworkReady", True),
+        ]
+
+    def update_runtime_config(self, pod_cidr: str) -> None:
+        self.pod_cidr = pod_cidr
+
+
+def _check_stdio(tty: bool, stdin: bool, stdout: bool, stderr: bool) -> None:
+    if tty and stderr:
+        raise InvalidArgumentError("tty and stderr cannot both be true")
+    if not (stdin or stdout or stderr):
+        raise InvalidArgumentError("one of stdin, stdout, or stderr must be set")
+
+
+

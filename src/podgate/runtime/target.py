@@ -1,0 +1,44 @@
+"""The runtime as a StreamTarget: exec through nsenter, attach through the shim, port-forward
+through the pod's backend."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from podgate.aio.streams import ByteStream
+from podgate.backends.base import BackendError, Backends
+from podgate.linux import shim as shim_mod
+from podgate.runtime.api import RuntimeError_
+from podgate.runtime.runtime import Runtime
+from podgate.streaming.local import run_process
+from podgate.streaming.target import ExecIO, PodRef, TargetError
+
+
+class RuntimeTarget:
+    def __init__(self, runtime: Runtime, backends: Backends) -> None:
+        self.runtime = runtime
+        self.backends = backends
+
+    async def exec(
+        self, pod: PodRef, container: str | None, command: Sequence[str], io: ExecIO
+    ) -> int:
+        try:
+            record = self.runtime.running_container(container or "")
+        except RuntimeError_ as exc:
+            raise TargetError(str(exc)) from exc
+        return await run_process(self.runtime.exec_argv(record, command), io)
+
+    async def attach(self, pod: PodRef, container: str | None, io: ExecIO) -> int:
+        try:
+            record = self.runtime.running_container(container or "")
+        except RuntimeError_ as exc:
+            raise TargetError(str(exc)) from exc
+        socket_path = str(self.runtime.store.run_path(record.id) / "attach.sock")
+        return await shim_mod.run_attach(socket_path, io)
+
+    async def open_port(self, pod: PodRef, port: int) -> ByteStream:
+        try:
+            record = self.runtime.get_pod(pod.sandbox_id)
+            return await self.backends.open(record, port)
+        except (RuntimeError_, BackendError) as exc:
+            raise TargetError(str(exc)) from exc

@@ -1,0 +1,132 @@
+"""`make bench` end to end at a tiny size, plus the check that its byte verification bites.
+
+The harness starts the target, three podgate servers and one client process per run, exactly as
+a full run does, only with 2 MiB, one run and no kubectl/socat, so it finishes in seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.common import PATTERN_BYTES, Pattern, Verifier  # noqa: E402
+from bench.procs import ProcessSet  # noqa: E402
+
+SIZE = 2 * 1024 * 1024
+PODGATE_PATHS = ("podgate-spdy", "podgate-tunnel", "podgate-ws")
+# Well below anything loopback does, well above what a hung or looping path would show.
+MIN_PLAUSIBLE_BYTES_PER_SECOND = 1e6
+MAX_PLAUSIBLE_BYTES_PER_SECOND = 200e9
+
+
+def test_bench_runs_every_podgate_path_with_verified_bytes(tmp_path: Path) -> None:
+    out = tmp_path / "results.json"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench",
+            "--size",
+            "2M",
+            "--runs",
+            "1",
+            "--skip-kubectl",
+            "--skip-socat",
+            "--conns",
+            "20",
+            "--sessions",
+            "5",
+            "--json",
+            str(out),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr + done.stdout
+    data = json.loads(out.read_text())
+    assert (tmp_path / "results.md").exists()
+
+    for path in ("direct", *PODGATE_PATHS):
+        for direction in ("upload", "download"):
+            [run] = [
+                r for r in data["throughput"] if r["path"] == path and r["direction"] == direction
+            ]
+            assert run["error"] is None
+            assert run["verified"] is True
+            assert run["bytes"] == SIZE
+            rate = run["bytes"] / run["seconds"]
+            assert MIN_PLAUSIBLE_BYTES_PER_SECOND < rate < MAX_PLAUSIBLE_BYTES_PER_SECOND
+            assert run["cpu"]["target"] >= 0
+            if path != "direct":
+                assert run["cpu"]["server"] >= 0  # the podgate server's CPU was attributed
+            line = next(
+                ln for ln in done.stdout.splitlines() if f" {path} " in ln and direction in ln
+            )
+            assert "1/1 × 2 MiB" in line
+
+    kinds = {(r["path"], r["kind"]): r for r in data["conns"]}
+    assert set(kinds) == {
+        ("direct", "connect"),
+        ("podgate-spdy", "stream"),
+        ("podgate-tunnel", "stream"),
+        ("podgate-spdy", "session"),
+        ("podgate-tunnel", "session"),
+        ("podgate-ws", "session"),
+    }
+    for (_, kind), run in kinds.items():
+        assert run["error"] is None
+        assert run["count"] == (5 if kind == "session" else 20)
+        assert 0 < run["p50_us"] <= run["p99_us"]
+
+
+def _ask_target(port: int, payload: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(payload)
+        sock.shutdown(socket.SHUT_WR)
+        reply = b""
+        while chunk := sock.recv(100):
+            reply += chunk
+    return reply
+
+
+def test_target_sink_reports_the_first_corrupted_byte() -> None:
+    pattern = Pattern()
+    good = bytes(pattern.chunk(0, 1000))
+    bad = bytearray(good)
+    bad[500] ^= 0xFF
+    with ProcessSet(cwd=REPO) as procs:
+        target = procs.start("target", [sys.executable, "-m", "bench.target"])
+        port = int(target.wait_for_json()["bulk_port"])
+        assert _ask_target(port, b"U 1000\n" + good) == b"OK 1000\n"
+        assert _ask_target(port, b"U 1000\n" + bytes(bad)) == b"BAD 1000 500\n"
+        assert _ask_target(port, b"U 1000\n" + good[:999]) == b"BAD 999 999\n"
+        assert _ask_target(port, b"D 1000\n") == good
+        workdir = procs.workdir
+    assert target.proc.returncode is not None
+    assert not workdir.exists()
+
+
+def test_verifier_catches_a_reordered_frame_across_the_pattern_period() -> None:
+    pattern = Pattern()
+    size = PATTERN_BYTES + 300_000
+    data = bytes(pattern.chunk(0, PATTERN_BYTES)) + bytes(pattern.chunk(PATTERN_BYTES, 300_000))
+    frames = [data[i : i + 65536] for i in range(0, size, 65536)]
+    ok = Verifier(pattern, size)
+    for frame in frames:
+        ok.feed(frame)
+    assert ok.ok
+    frames[3], frames[4] = frames[4], frames[3]
+    swapped = Verifier(pattern, size)
+    for frame in frames:
+        swapped.feed(frame)
+    assert not swapped.ok
+    assert swapped.first_bad == 3 * 65536

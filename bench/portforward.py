@@ -389,7 +389,12 @@ def conn_jobs(specs: Sequence[PathSpec], options: Options) -> list[tuple[PathSpe
 
 def run_all(options: Options, progress: Callable[[str], None] = lambda _: None) -> Results:
     results = Results()
-    results.meta.update(machine_info(), size=options.size, runs=options.runs)
+    results.meta.update(
+        machine_info(),
+        size=options.size,
+        runs=options.runs,
+        client_loop="uvloop" if options.uvloop else "asyncio",
+    )
     specs = [p for p in PATHS if p.name in options.paths]
     with ProcessSet(cwd=REPO_ROOT) as procs:
         peers = Peers(procs, options, results)

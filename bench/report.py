@@ -60,7 +60,7 @@ def _fmt(spread: dict[str, float] | None, digits: int = 2, scale: float = 1.0) -
 def _fmt_ratio(spread: dict[str, float] | None) -> str:
     if spread is None:
         return "–"
-    return f"{spread['median']:.3f}× ({spread['min']:.2f}–{spread['max']:.2f})"
+    return f"{spread['median']:.3f}× ({spread['min']:.3f}–{spread['max']:.3f})"
 
 
 def _median(spread: dict[str, float] | None, digits: int = 2, scale: float = 1.0) -> str:

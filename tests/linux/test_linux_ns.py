@@ -183,9 +183,9 @@ def test_sockets_keep_their_netns_loopbacks_are_separate(netns: tuple[str, int])
             with pytest.raises(BlockingIOError):
                 host_listener.accept()
         # And a port open only on the host is closed inside.
-        with _on_thread(lambda: ns.socket_in_netns(path, socket.AF_INET)) as probe:
-            with pytest.raises(ConnectionRefusedError):
-                probe.connect(("127.0.0.1", port))
+        probe = _on_thread(lambda: ns.socket_in_netns(path, socket.AF_INET))
+        with probe, pytest.raises(ConnectionRefusedError):
+            probe.connect(("127.0.0.1", port))
 
 
 async def _accept_and_echo(listener: socket.socket) -> bytes:

@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,7 @@ from podgate.linux.shim import (
     run_attach,
     start_shim,
 )
-from podgate.proto.attach import Stderr, Stdout
+from podgate.proto.attach import Stdout
 from podgate.runtime.model import NamespaceMode, ProcessRef
 from podgate.streaming.target import ExecIO
 
@@ -255,7 +255,9 @@ def _make_root(root: Path) -> None:
     """A tiny root filesystem: the shell, the libraries it links and an empty /proc."""
     shell = os.path.realpath("/bin/sh")
     files = [shell]
-    for line in subprocess.run(["ldd", shell], capture_output=True, text=True).stdout.split("\n"):
+    for line in subprocess.run(
+        ["ldd", shell], check=True, capture_output=True, text=True
+    ).stdout.split("\n"):
         found = re.search(r"(/\S+) \(0x", line)
         if found:
             files.append(found[1])
@@ -331,7 +333,7 @@ async def test_two_clients_see_the_same_output(shims: Shims) -> None:
     async with await attach(spec.attach_socket) as a, await attach(spec.attach_socket) as b:
         await a.send(b"one\n")
         results = await asyncio.gather(_collect(a), _collect(b))
-    assert results == [(b"got one\n", b"warn\n")] * 2
+    assert list(results) == [(b"got one\n", b"warn\n")] * 2
     assert a.exit_code == b.exit_code == 0
     await _finished(ready, spec)
 

@@ -1122,7 +1122,7 @@ async def test_socket_is_private_and_removed_on_stop(short_dir: str) -> None:
         assert stat.S_IMODE(mode) == 0o600
     finally:
         await stop_cri(server, path, grace=0)
-    assert not os.path.exists(path)  # noqa: ASYNC240
+    assert not os.path.exists(path)
 
 
 async def test_stale_socket_is_replaced(short_dir: str) -> None:
@@ -1142,10 +1142,10 @@ async def test_stale_socket_is_replaced(short_dir: str) -> None:
 
 async def test_refuses_to_replace_a_regular_file(short_dir: str) -> None:
     path = os.path.join(short_dir, "cri.sock")
-    Path(path).write_text("not a socket")  # noqa: ASYNC240
+    Path(path).write_text("not a socket")
     with pytest.raises(FileExistsError):
         await serve_cri(_conforms(FakeRuntime()), path)
-    assert Path(path).read_text() == "not a socket"  # noqa: ASYNC240
+    assert Path(path).read_text() == "not a socket"
 
 
 async def test_rejects_a_socket_path_too_long_for_sun_path(short_dir: str) -> None:

@@ -167,16 +167,14 @@ class SpdyStream(ByteStream):
         if not self._writable.is_set():
             await self._writable.wait()
 
-    def _finish(self, error: StreamResetError | BrokenStreamError | None) -> None:
+    def _finish(self, error: StreamResetError | None, *, keep_data: bool = False) -> None:
+        """End the stream: closed by us (error None) or reset. Data the peer sent before its
+        RST stays readable (the port-forward error text arrives just before a reset)."""
         if error is not None and self._reset is None:
-            self._reset = (
-                error
-                if isinstance(error, StreamResetError)
-                else StreamResetError(str(error), RstStatus.CANCEL)
-            )
+            self._reset = error
         if error is None:
             self._closed = True
-        else:
+        elif not keep_data:
             self._chunks.clear()
         self._readable.set()
         self._writable.set()
@@ -340,7 +338,9 @@ class SpdySession:
                 waiter.set_exception(StreamResetError("stream reset", event.status))
             stream = self._streams.get(event.stream_id)
             if stream is not None:
-                stream._finish(StreamResetError("stream reset by peer", event.status))
+                stream._finish(
+                    StreamResetError("stream reset by peer", event.status), keep_data=True
+                )
         elif isinstance(event, PingAcknowledged):
             ping_waiter = self._ping_waiters.get(event.ping_id)
             if ping_waiter is not None and not ping_waiter.done():

@@ -19,7 +19,7 @@ import ssl
 import stat
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Protocol
+from typing import Protocol, cast
 
 from podgate.aio.errors import BrokenStreamError, ClosedStreamError, map_os_errors
 
@@ -92,9 +92,9 @@ class _StreamProtocol(asyncio.Protocol):
 
     # -- asyncio callbacks
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
-        transport.set_write_buffer_limits(SEND_HIGH_WATER, SEND_LOW_WATER)
+        # uvloop's transports implement asyncio.Transport without subclassing it.
+        self.transport = cast(asyncio.Transport, transport)
+        self.transport.set_write_buffer_limits(SEND_HIGH_WATER, SEND_LOW_WATER)
 
     def data_received(self, data: bytes) -> None:
         self._chunks.append(data)

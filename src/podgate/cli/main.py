@@ -6,6 +6,7 @@ import click
 
 from podgate import __version__
 from podgate.cli.demo import demo
+from podgate.cli.runtime import runtime
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -15,3 +16,4 @@ def main() -> None:
 
 
 main.add_command(demo)
+main.add_command(runtime)

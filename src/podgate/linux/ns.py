@@ -29,6 +29,7 @@ __all__ = [
     "CLONE_NEWPID",
     "CLONE_NEWUSER",
     "CLONE_NEWUTS",
+    "IFF_UP",
     "MS_NODEV",
     "MS_NOEXEC",
     "MS_NOSUID",

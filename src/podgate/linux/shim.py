@@ -266,8 +266,7 @@ class _Stdio:
 
 def _open_stdio(spec: ShimSpec) -> _Stdio:
     if spec.tty:
-        master, slave = os.openpty()
-        os.set_inheritable(master, False)
+        master, slave = os.openpty()  # both non-inheritable until dup2'ed in the child
         stdin = os.dup(master) if spec.stdin else None
         return _Stdio((slave, slave, slave), [slave], stdin, {"stdout": master}, master)
     if spec.stdin:
@@ -502,6 +501,7 @@ class _Shim:
         self.stdin: _InputPipe | None = None
         self.cri = CriLogWriter(self._write_log)
         self.output_done: dict[str, asyncio.Future[None]] = {}
+        self.exit_code: int | None = None  # set once clients are being sent EXIT
 
     def _write_log(self, entry: bytes) -> None:
         if self.log is None:
@@ -539,6 +539,7 @@ class _Shim:
                 },
             )
             server.close()
+            self.exit_code = exit_code
             await self._close_clients(exit_code)
         finally:
             os.close(pidfd)
@@ -618,6 +619,10 @@ class _Shim:
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         codec = AttachCodec(Role.SHIM)
+        if self.exit_code is not None:  # accepted just before the server closed
+            writer.write(codec.send(Exit(self.exit_code)))
+            writer.close()
+            return
         self.clients[writer] = codec
         try:
             while writer in self.clients:
@@ -691,11 +696,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (_StartError, OSError) as exc:
         message = str(exc) if isinstance(exc, _StartError) else f"shim setup failed: {exc}"
         print(f"shim: {message}", file=sys.stderr)
-        atomic_write_json(spec.ready_file, {"error": message})
         if listener is not None:
             listener.close()
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(spec.attach_socket)
+        atomic_write_json(spec.ready_file, {"error": message})
         return 1
     shim = process_ref(os.getpid())
     container = process_ref(pid)

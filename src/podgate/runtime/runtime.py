@@ -21,7 +21,7 @@ from pathlib import Path
 from podgate import __version__
 from podgate.linux import holder as holder_mod
 from podgate.linux import shim as shim_mod
-from podgate.linux.proc import is_alive, read_json
+from podgate.linux.proc import is_alive, read_json, signal_process
 from podgate.proto import remotecommand as rc
 from podgate.proto.upgrade import StreamKind
 from podgate.runtime.api import (
@@ -365,12 +365,10 @@ class Runtime:
         if container.state is not ContainerState.RUNNING or container.process is None:
             return
         process = container.process
-        if is_alive(process):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(process.pid, signal.SIGTERM)
-            if not await self._wait_exit(container, timeout):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(process.pid, signal.SIGKILL)
+        if signal_process(process, signal.SIGTERM) and not await self._wait_exit(
+            container, timeout
+        ):
+            signal_process(process, signal.SIGKILL)
         if not await self._wait_exit(container, KILL_WAIT_SECONDS):
             log.warning("container %s did not report its exit", container.id[:12])
         self._refresh_container(container)
@@ -541,6 +539,3 @@ def _check_stdio(tty: bool, stdin: bool, stdout: bool, stderr: bool) -> None:
         raise InvalidArgumentError("tty and stderr cannot both be true")
     if not (stdin or stdout or stderr):
         raise InvalidArgumentError("one of stdin, stdout, or stderr must be set")
-
-
-

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from podgate.aio.errors import StreamError
 from podgate.aio.streams import ByteStream
 from podgate.backends.base import BackendError, Backends
 from podgate.linux import shim as shim_mod
+from podgate.proto.errors import ProtocolError
 from podgate.runtime.api import RuntimeError_
 from podgate.runtime.runtime import Runtime
 from podgate.streaming.local import run_process
@@ -34,7 +36,10 @@ class RuntimeTarget:
         except RuntimeError_ as exc:
             raise TargetError(str(exc)) from exc
         socket_path = str(self.runtime.store.run_path(record.id) / "attach.sock")
-        return await shim_mod.run_attach(socket_path, io)
+        try:
+            return await shim_mod.run_attach(socket_path, io)
+        except (StreamError, ProtocolError) as exc:
+            raise TargetError(f"cannot attach to container {record.id}: {exc}") from exc
 
     async def open_port(self, pod: PodRef, port: int) -> ByteStream:
         try:

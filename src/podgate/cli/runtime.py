@@ -1,0 +1,67 @@
+"""`podgate runtime`."""
+
+from __future__ import annotations
+
+import click
+
+from podgate.aio.loop import run
+from podgate.cli.logs import setup_logging
+from podgate.runtime.daemon import DEFAULT_STATE_DIR, RuntimeConfig, run_daemon
+from podgate.runtime.streaming import DEFAULT_STREAM_IDLE_TIMEOUT_SECONDS, InsecureAddressError
+
+
+@click.command()
+@click.option(
+    "--state-dir",
+    default=DEFAULT_STATE_DIR,
+    show_default=True,
+    help="Where pods, containers, logs and sockets are kept.",
+)
+@click.option("--cri-socket", default="", help="CRI unix socket [default: STATE_DIR/cri.sock].")
+@click.option(
+    "--stream-address",
+    default="127.0.0.1",
+    show_default=True,
+    help="Streaming server address; loopback only (no TLS is configured).",
+)
+@click.option("--stream-port", default=0, show_default=True, help="Streaming port; 0 = any.")
+@click.option("--stream-socket", default="", help="Serve streams on this unix socket instead.")
+@click.option(
+    "--stream-idle-timeout",
+    default=DEFAULT_STREAM_IDLE_TIMEOUT_SECONDS,
+    show_default=True,
+    help="Seconds without traffic before a stream is closed.",
+)
+@click.option(
+    "--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True
+)
+@click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
+def runtime(
+    state_dir: str,
+    cri_socket: str,
+    stream_address: str,
+    stream_port: int,
+    stream_socket: str,
+    stream_idle_timeout: float,
+    log_format: str,
+    verbose: bool,
+) -> None:
+    """Run pods in Linux namespaces behind a CRI gRPC service.
+
+    Pods and containers outlive this process: stop it (SIGTERM) and start it again with the
+    same --state-dir, and it finds them. Exec, attach and port-forward URLs it hands out point
+    at its streaming server on loopback (or a unix socket) with one-time tokens.
+    """
+    setup_logging(log_format, verbose)
+    config = RuntimeConfig(
+        state_dir=state_dir,
+        cri_socket=cri_socket,
+        stream_address=stream_address,
+        stream_port=stream_port,
+        stream_socket=stream_socket,
+        stream_idle_timeout=stream_idle_timeout,
+    )
+    try:
+        run(run_daemon(config))
+    except InsecureAddressError as exc:
+        raise click.UsageError(str(exc)) from exc

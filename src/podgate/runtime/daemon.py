@@ -1,0 +1,103 @@
+"""`podgate runtime`: the CRI service, the streaming server and the runtime, in one process.
+
+Stopping the daemon leaves pods and containers running (their holders and shims are not its
+children); a restarted daemon picks them up from the state directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from podgate.backends.base import Backends
+from podgate.backends.netns import NetnsBackend
+from podgate.runtime.cri.service import serve_cri, stop_cri
+from podgate.runtime.runtime import Runtime
+from podgate.runtime.streaming import DEFAULT_STREAM_IDLE_TIMEOUT_SECONDS, StreamingServer
+from podgate.runtime.target import RuntimeTarget
+
+log = logging.getLogger(__name__)
+
+DEFAULT_STATE_DIR = "/var/lib/podgate"
+
+
+@dataclass(slots=True)
+class RuntimeConfig:
+    state_dir: str = DEFAULT_STATE_DIR
+    cri_socket: str = ""  # default: <state_dir>/cri.sock
+    stream_address: str = "127.0.0.1"
+    stream_port: int = 0
+    stream_socket: str = ""  # a unix socket instead of TCP
+    stream_idle_timeout: float = DEFAULT_STREAM_IDLE_TIMEOUT_SECONDS
+
+    @property
+    def cri_socket_path(self) -> str:
+        return self.cri_socket or str(Path(self.state_dir) / "cri.sock")
+
+
+@dataclass(slots=True)
+class RunningRuntime:
+    runtime: Runtime
+    target: RuntimeTarget
+    streaming: StreamingServer
+    cri_socket: str
+
+
+@contextlib.asynccontextmanager
+async def running_runtime(config: RuntimeConfig) -> AsyncIterator[RunningRuntime]:
+    """Start everything; stop the servers (not the pods) on exit."""
+    runtime = Runtime(config.state_dir)
+    runtime.load()
+    netns = NetnsBackend()
+    target = RuntimeTarget(runtime, Backends(netns))
+    streaming = StreamingServer(
+        target,
+        host=config.stream_address,
+        port=config.stream_port,
+        unix_path=config.stream_socket or None,
+        idle_timeout=config.stream_idle_timeout,
+    )
+    await streaming.start()
+    runtime.streaming = streaming
+    cri = await serve_cri(runtime, config.cri_socket_path, image_fs_path=config.state_dir)
+    log.info("CRI on unix://%s, streaming on %s", config.cri_socket_path, streaming.base_url)
+    try:
+        yield RunningRuntime(runtime, target, streaming, config.cri_socket_path)
+    finally:
+        await stop_cri(cri, config.cri_socket_path)
+        await streaming.stop()
+        netns.worker.close()
+
+
+async def wait_for_signal() -> int:
+    """Until SIGTERM or SIGINT; returns the signal number."""
+    loop = asyncio.get_running_loop()
+    got: asyncio.Future[int] = loop.create_future()
+
+    def on_signal(sig: int) -> None:
+        if not got.done():
+            got.set_result(sig)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+    try:
+        return await got
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+async def run_daemon(config: RuntimeConfig) -> None:
+    async with running_runtime(config) as running:
+        print(
+            f"podgate runtime ready cri=unix://{running.cri_socket} "
+            f"streaming={running.streaming.base_url} state={config.state_dir}",
+            flush=True,
+        )
+        sig = await wait_for_signal()
+        log.info("signal %d: stopping (pods keep running)", sig)

@@ -20,7 +20,7 @@ from types import FrameType
 
 from rich.console import Console
 
-from bench.common import format_size, parse_size
+from bench.common import LOOP_CHOICES, format_size, parse_size
 from bench.portforward import DIRECTIONS, PATH_NAMES, Options, run_all
 from bench.procs import ChildError
 from bench.report import REPORT_WIDTH, markdown, path_descriptions, print_report
@@ -94,8 +94,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--skip-kubectl", action="store_true", help="leave out the kubectl paths")
     parser.add_argument("--skip-socat", action="store_true", help="leave out socat")
     parser.add_argument(
-        "--uvloop", action="store_true", help="run the podgate servers and clients on uvloop"
+        "--loop",
+        choices=LOOP_CHOICES,
+        default="podgate",
+        help="event loop of the podgate servers and clients (default: podgate's own choice, "
+        "uvloop when installed)",
     )
+    parser.add_argument("--uvloop", action="store_true", help="same as --loop uvloop")
     parser.add_argument("--kubectl", help="kubectl 1.33 binary (default: next to kubectl)")
     parser.add_argument(
         "--profile-dir",
@@ -143,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         conn_budget=args.conn_budget,
         run_timeout=args.run_timeout,
         throughput=not args.no_throughput,
-        uvloop=args.uvloop,
+        loop="uvloop" if args.uvloop else args.loop,
         kubectl=args.kubectl,
         profile_dir=args.profile_dir,
     )

@@ -28,14 +28,16 @@ from bench.common import (
     BULK_REMOTE_PORT,
     ECHO_REMOTE_PORT,
     IO_CHUNK_BYTES,
+    LOOP_CHOICES,
     MAX_REPLY_LINE_BYTES,
     POD_NAME,
     POD_NAMESPACE,
     Pattern,
     Verifier,
     download_request,
-    install_loop,
     parse_sink_reply,
+    resolve_loop,
+    run_on,
     upload_request,
 )
 from bench.procs import cpu_seconds
@@ -317,28 +319,29 @@ def _parse_watch(items: list[str]) -> dict[str, int]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     meter = Meter(_parse_watch(args.watch))
-    loop = install_loop(args.uvloop)
+    loop = resolve_loop(args.loop)
     result: dict[str, Any] = {"loop": loop if args.via != "tcp" else "-"}
     if args.command == "throughput":
         if args.via == "tcp":
             error = tcp_throughput(args.port, args.direction, args.size, args.timeout, meter)
         else:
-            error = asyncio.run(
+            error = run_on(
+                loop,
                 podgate_throughput(
                     args.via, args.port, args.direction, args.size, args.timeout, meter
-                )
+                ),
             )
         result.update(meter.as_dict(), bytes=args.size, verified=error is None, error=error)
         return result
     if args.via == "tcp":
         latencies = tcp_conns(args.port, args.count, args.budget, meter)
     elif args.kind == "stream":
-        latencies = asyncio.run(
-            podgate_stream_conns(args.via, args.port, args.count, args.budget, meter)
+        latencies = run_on(
+            loop, podgate_stream_conns(args.via, args.port, args.count, args.budget, meter)
         )
     else:
-        latencies = asyncio.run(
-            podgate_session_conns(args.via, args.port, args.count, args.budget, meter)
+        latencies = run_on(
+            loop, podgate_session_conns(args.via, args.port, args.count, args.budget, meter)
         )
     result.update(meter.as_dict(), **latency_summary(latencies), error=None)
     return result
@@ -352,7 +355,7 @@ def main() -> None:
         p.add_argument("--via", choices=("tcp", "spdy", "tunnel", "ws"), required=True)
         p.add_argument("--port", type=int, required=True)
         p.add_argument("--watch", action="append", default=[], metavar="NAME=PID")
-        p.add_argument("--uvloop", action="store_true")
+        p.add_argument("--loop", choices=LOOP_CHOICES, default="podgate")
         if name == "throughput":
             p.add_argument("--direction", choices=("upload", "download"), required=True)
             p.add_argument("--size", type=int, required=True)

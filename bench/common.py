@@ -7,9 +7,14 @@ path below the loopback limit) and any loss, duplication or reordering shows.
 
 from __future__ import annotations
 
-import asyncio
 import random
 import re
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from podgate.aio.loop import loop_name, run
+
+T = TypeVar("T")
 
 # Pattern period: an odd length, so reordered frames (power-of-two sizes) never line up with it.
 PATTERN_BYTES = 1024 * 1024 + 13
@@ -133,11 +138,17 @@ def parse_sink_reply(line: bytes, expected: int) -> str | None:
     return f"sink reported {line.decode(errors='replace').strip()!r}, expected OK {expected}"
 
 
-def install_loop(use_uvloop: bool) -> str:
-    """Set the event loop policy; returns the loop's name for the report."""
-    if use_uvloop:
-        import uvloop
+# "podgate": whatever podgate itself runs on (podgate.aio.loop: uvloop when installed).
+LOOP_CHOICES = ("podgate", "asyncio", "uvloop")
 
-        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-        return "uvloop"
-    return "asyncio"
+
+def resolve_loop(choice: str) -> str:
+    """The event loop a choice means on this machine: "asyncio" or "uvloop"."""
+    if choice == "podgate":
+        return loop_name()
+    return choice
+
+
+def run_on(loop: str, main: Coroutine[Any, Any, T]) -> T:
+    """Run `main` the way podgate runs its own event loop, on the resolved `loop`."""
+    return run(main, use_uvloop=loop == "uvloop")

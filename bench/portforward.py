@@ -29,7 +29,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.common import BULK_REMOTE_PORT, ECHO_REMOTE_PORT, POD_NAME, POD_NAMESPACE
+from bench.common import (
+    BULK_REMOTE_PORT,
+    ECHO_REMOTE_PORT,
+    POD_NAME,
+    POD_NAMESPACE,
+    resolve_loop,
+)
 from bench.procs import Child, ChildError, ProcessSet
 from podgate.cli.demo import write_kubeconfig
 
@@ -110,7 +116,7 @@ class Options:
     conn_budget: float = 20.0
     run_timeout: float = 120.0
     throughput: bool = True
-    uvloop: bool = False
+    loop: str = "podgate"  # event loop of the podgate servers and clients (LOOP_CHOICES)
     kubectl: str | None = None
     profile_dir: Path | None = None
 
@@ -226,8 +232,7 @@ class Peers:
 
     def _start_server(self, name: str, bulk: int, echo: int) -> Child:
         argv = [self.py, "-m", "bench.server", "--bulk-port", str(bulk), "--echo-port", str(echo)]
-        if self.options.uvloop:
-            argv.append("--uvloop")
+        argv += ["--loop", self.options.loop]
         if self.options.profile_dir is not None:
             self.options.profile_dir.mkdir(parents=True, exist_ok=True)
             argv += ["--profile", str(self.options.profile_dir / f"server-{name}.prof")]
@@ -309,11 +314,11 @@ def _watch_args(watch: dict[str, int]) -> list[str]:
 
 
 def run_client(
-    procs: ProcessSet, argv: list[str], timeout: float, uvloop: bool, via: str
+    procs: ProcessSet, argv: list[str], timeout: float, loop: str, via: str
 ) -> dict[str, Any]:
     argv = [sys.executable, "-m", "bench.client", *argv]
-    if uvloop and via != "tcp":
-        argv.append("--uvloop")
+    if via != "tcp":
+        argv += ["--loop", loop]
     try:
         done = procs.run(argv, timeout + CLIENT_STARTUP_SECONDS)
     except subprocess.TimeoutExpired:
@@ -348,7 +353,7 @@ def run_throughput(
         str(options.run_timeout),
         *_watch_args(peer.watch),
     ]
-    result = run_client(procs, argv, options.run_timeout, options.uvloop, spec.via)
+    result = run_client(procs, argv, options.run_timeout, options.loop, spec.via)
     return {"path": spec.name, "direction": direction, "run": run, **result}
 
 
@@ -369,7 +374,7 @@ def run_conns(
         str(o.conn_budget),
         *_watch_args(peer.echo_watch if peer.echo_watch is not None else peer.watch),
     ]
-    result = run_client(procs, argv, o.conn_budget, o.uvloop, spec.via)
+    result = run_client(procs, argv, o.conn_budget, o.loop, spec.via)
     return {"path": spec.name, "kind": kind, "run": run, **result}
 
 
@@ -393,7 +398,7 @@ def run_all(options: Options, progress: Callable[[str], None] = lambda _: None) 
         machine_info(),
         size=options.size,
         runs=options.runs,
-        client_loop="uvloop" if options.uvloop else "asyncio",
+        podgate_loop=resolve_loop(options.loop),
     )
     specs = [p for p in PATHS if p.name in options.paths]
     with ProcessSet(cwd=REPO_ROOT) as procs:

@@ -117,7 +117,7 @@ def conn_rows(summary: list[dict[str, Any]]) -> list[list[str]]:
 def _title(meta: dict[str, Any]) -> str:
     return (
         f"podgate port-forward, {format_size(meta['size'])} per run, "
-        f"median of {meta['runs']} run(s) (min–max); server loop: {meta.get('server_loop', '?')}"
+        f"median of {meta['runs']} run(s) (min–max); podgate on {meta.get('podgate_loop', '?')}"
     )
 
 

@@ -1,6 +1,6 @@
 """One podgate API server process for the benchmarks: DemoApi + LocalTarget on loopback.
 
-Run as `python -m bench.server --bulk-port P --echo-port E [--uvloop] [--profile FILE]`. The
+Run as `python -m bench.server --bulk-port P --echo-port E [--loop L] [--profile FILE]`. The
 pod default/bench exposes BULK_REMOTE_PORT and ECHO_REMOTE_PORT, which the LocalTarget maps
 to the target process. It prints one JSON line (its port, pid and event loop) and serves until
 SIGTERM; with --profile it runs under cProfile and writes the stats on the way out.
@@ -20,9 +20,11 @@ import sys
 from bench.common import (
     BULK_REMOTE_PORT,
     ECHO_REMOTE_PORT,
+    LOOP_CHOICES,
     POD_NAME,
     POD_NAMESPACE,
-    install_loop,
+    resolve_loop,
+    run_on,
 )
 from podgate.streaming.demo import DemoApi, DemoPod
 from podgate.streaming.local import LocalTarget
@@ -49,15 +51,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.server")
     parser.add_argument("--bulk-port", type=int, required=True)
     parser.add_argument("--echo-port", type=int, required=True)
-    parser.add_argument("--uvloop", action="store_true", help="run on uvloop")
+    parser.add_argument("--loop", choices=LOOP_CHOICES, default="podgate", help="event loop")
     parser.add_argument("--profile", help="write cProfile stats here on exit")
     args = parser.parse_args()
-    loop_name = install_loop(args.uvloop)
+    loop_name = resolve_loop(args.loop)
     profiler = cProfile.Profile() if args.profile else None
     if profiler is not None:
         profiler.enable()
     try:
-        asyncio.run(serve(args.bulk_port, args.echo_port, loop_name))
+        run_on(loop_name, serve(args.bulk_port, args.echo_port, loop_name))
     finally:
         if profiler is not None:
             profiler.disable()

@@ -5,7 +5,7 @@ from collections.abc import Iterator
 import pytest
 from e2e_support import UpgradeLog
 
-import podgate.streaming.demo as demo_api
+import podgate.node.kubeapi as demo_api
 from podgate.streaming.server import serve_stream
 from servers import RunningServers
 

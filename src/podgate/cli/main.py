@@ -7,6 +7,7 @@ import click
 from podgate import __version__
 from podgate.cli.demo import demo
 from podgate.cli.runtime import runtime
+from podgate.cli.up import up
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -17,3 +18,4 @@ def main() -> None:
 
 main.add_command(demo)
 main.add_command(runtime)
+main.add_command(up)

@@ -1,0 +1,100 @@
+"""`podgate up`: the runtime, the sample pods and a local Kubernetes API, in one go."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from pathlib import Path
+
+import click
+
+import podgate
+from podgate.aio.loop import run
+from podgate.cli.demo import write_kubeconfig
+from podgate.cli.logs import setup_logging
+from podgate.node.kubeapi import KubeApi
+from podgate.runtime.daemon import RuntimeConfig, running_runtime, wait_for_signal
+from podgate.runtime.pods import RuntimePodSource, ensure_example, load_example
+
+log = logging.getLogger(__name__)
+
+
+def default_examples() -> str:
+    # The repository's examples/ beside src/ (an editable install, as `make run` makes).
+    path = Path(podgate.__file__).resolve().parents[2] / "examples"
+    return str(path) if path.is_dir() else ""
+
+
+@click.command()
+@click.option(
+    "--state-dir",
+    default="/var/lib/podgate",
+    show_default=True,
+    help="Where pods, containers, logs, sockets and the kubeconfig are kept.",
+)
+@click.option("--port", default=6443, show_default=True, help="Loopback port of the API.")
+@click.option(
+    "--examples",
+    default=default_examples,
+    show_default="the repository's examples/",
+    help="Directory of sample pods (*.json) to run; empty for none.",
+)
+@click.option("--keep-pods", is_flag=True, help="Leave the sample pods running on exit.")
+@click.option(
+    "--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True
+)
+@click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
+def up(
+    state_dir: str, port: int, examples: str, keep_pods: bool, log_format: str, verbose: bool
+) -> None:
+    """Start podgate on this machine: the pod runtime with sample pods, and a Kubernetes API
+    on loopback for kubectl.
+
+    Prints `podgate ready ...` once everything serves, then commands to try. SIGTERM or
+    Ctrl-C stops it and removes the sample pods (unless --keep-pods).
+    """
+    setup_logging(log_format, verbose)
+    if os.geteuid() != 0:
+        raise click.ClickException("podgate up runs pods in Linux namespaces: run it as root")
+    samples = []
+    if examples:
+        for path in sorted(Path(examples).glob("*.json")):
+            try:
+                samples.append(load_example(path))
+            except ValueError as exc:
+                raise click.ClickException(str(exc)) from exc
+    run(_up(state_dir, port, samples, keep_pods))
+
+
+async def _up(state_dir: str, port: int, samples: list[dict[str, object]], keep: bool) -> None:
+    config = RuntimeConfig(state_dir=state_dir)
+    async with running_runtime(config) as running:
+        pod_ids = [await ensure_example(running.runtime, s) for s in samples]
+        source = RuntimePodSource(running.runtime, running.target, node=os.uname().nodename)
+        server = await KubeApi(source).serve("127.0.0.1", port)
+        bound = server.sockets[0].getsockname()[1]
+        kubeconfig = str(Path(state_dir) / "kubeconfig")
+        write_kubeconfig(kubeconfig, "127.0.0.1", bound)
+        print(
+            f"podgate ready api=http://127.0.0.1:{bound} kubeconfig={kubeconfig} "
+            f"cri=unix://{running.cri_socket}",
+            flush=True,
+        )
+        print(
+            "\nTry:\n"
+            f"  export KUBECONFIG={kubeconfig}\n"
+            "  kubectl get pods -o wide\n"
+            "  kubectl exec hello -- hostname\n"
+            "  kubectl port-forward pod/hello 8080:8080 &  curl -s 127.0.0.1:8080\n"
+            "  kubectl attach -it shell\n",
+            flush=True,
+        )
+        try:
+            await wait_for_signal()
+        finally:
+            server.close()
+            await server.wait_closed()
+            if not keep:
+                for pod_id in pod_ids:
+                    await asyncio.shield(running.runtime.remove_pod(pod_id))

@@ -1,0 +1,366 @@
+"""The slice of the Kubernetes API kubectl needs for one node: discovery, pod list and GET,
+and the exec/attach/port-forward upgrades, served by the streaming handlers.
+
+Pods come from a PodSource: the demo's static pods, or a runtime's real ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import ssl
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Protocol
+from urllib.parse import unquote
+
+from podgate.aio.http import next_request
+from podgate.aio.streams import SocketStream, start_server
+from podgate.proto import k8s
+from podgate.proto.errors import RemoteProtocolError
+from podgate.proto.upgrade import HandshakeError, ServerHandshake, StreamKind, UpgradeRequest
+from podgate.streaming.server import StreamRequest, serve_stream
+from podgate.streaming.target import PodRef, StreamTarget
+
+log = logging.getLogger(__name__)
+
+JSON = "application/json"
+TABLE_CONTENT_TYPE = "application/json;as=Table;v=v1;g=meta.k8s.io"
+
+_POD_PATH = re.compile(
+    r"^/api/v1/namespaces/(?P<ns>[^/]+)/pods/(?P<name>[^/]+)(?:/(?P<sub>[a-z]+))?$"
+)
+_LIST_PATH = re.compile(r"^/api/v1(?:/namespaces/(?P<ns>[^/]+))?/pods$")
+_SUBRESOURCES = {
+    "exec": StreamKind.EXEC,
+    "attach": StreamKind.ATTACH,
+    "portforward": StreamKind.PORTFORWARD,
+}
+
+API_VERSIONS = {
+    "kind": "APIVersions",
+    "versions": ["v1"],
+    "serverAddressByClientCIDRs": [{"clientCIDR": "0.0.0.0/0", "serverAddress": "127.0.0.1"}],
+}
+API_GROUPS = {"kind": "APIGroupList", "apiVersion": "v1", "groups": []}
+_SUB_VERBS = ["create", "get"]
+API_RESOURCES = {
+    "kind": "APIResourceList",
+    "groupVersion": "v1",
+    "resources": [
+        {
+            "name": "pods",
+            "singularName": "pod",
+            "namespaced": True,
+            "kind": "Pod",
+            "verbs": ["get", "list"],
+            "shortNames": ["po"],
+            "categories": ["all"],
+        },
+        {
+            "name": "pods/exec",
+            "singularName": "",
+            "namespaced": True,
+            "kind": "PodExecOptions",
+            "verbs": _SUB_VERBS,
+        },
+        {
+            "name": "pods/attach",
+            "singularName": "",
+            "namespaced": True,
+            "kind": "PodAttachOptions",
+            "verbs": _SUB_VERBS,
+        },
+        {
+            "name": "pods/portforward",
+            "singularName": "",
+            "namespaced": True,
+            "kind": "PodPortForwardOptions",
+            "verbs": _SUB_VERBS,
+        },
+    ],
+}
+
+
+@dataclass(slots=True)
+class ContainerView:
+    name: str
+    id: str = ""
+    ports: Sequence[int] = ()
+    stdin: bool = False
+    tty: bool = False
+    ready: bool = True
+    image: str = ""
+
+
+@dataclass(slots=True)
+class PodView:
+    """A pod as the API shows it."""
+
+    namespace: str
+    name: str
+    uid: str
+    containers: Sequence[ContainerView] = ()
+    phase: str = "Running"
+    created: datetime = field(default_factory=lambda: datetime.now(UTC))
+    ip: str = ""
+    node: str = ""
+    sandbox_id: str = ""
+
+    @property
+    def ref(self) -> PodRef:
+        return PodRef(self.namespace, self.name, self.uid, self.sandbox_id)
+
+    def body(self) -> dict[str, Any]:
+        containers = []
+        for c in self.containers:
+            item: dict[str, Any] = {"name": c.name, "stdin": c.stdin, "tty": c.tty}
+            if c.ports:
+                item["ports"] = [{"containerPort": p, "protocol": "TCP"} for p in c.ports]
+            containers.append(item)
+        status: dict[str, Any] = {"phase": self.phase}
+        if self.ip:
+            status["podIP"] = self.ip
+            status["podIPs"] = [{"ip": self.ip}]
+        status["containerStatuses"] = [
+            {
+                "name": c.name,
+                "ready": c.ready,
+                "restartCount": 0,
+                "image": c.image,
+                "imageID": "",
+                "containerID": f"podgate://{c.id}" if c.id else "",
+                "started": c.ready,
+                "state": {"running": {}} if c.ready else {"waiting": {"reason": "NotRunning"}},
+            }
+            for c in self.containers
+        ]
+        return {
+            "kind": "Pod",
+            "apiVersion": "v1",
+            "metadata": {
+                "name": self.name,
+                "namespace": self.namespace,
+                "uid": self.uid,
+                "creationTimestamp": self.created.strftime("%Y-%m-%dT%H:%M:%SZ"),
+            },
+            "spec": {"containers": containers, **({"nodeName": self.node} if self.node else {})},
+            "status": status,
+        }
+
+
+class PodSource(Protocol):
+    """Where the API's pods come from, and what serves their streams."""
+
+    @property
+    def target(self) -> StreamTarget: ...
+
+    def list_pods(self) -> list[PodView]: ...
+
+    def stream_container(self, pod: PodView, name: str | None) -> str | None:
+        """What the target calls the container (an id, or the name); None if unknown."""
+        ...
+
+
+# kubectl prints these columns; priority 1 only with -o wide.
+_TABLE_COLUMNS = (
+    ("Name", 0),
+    ("Ready", 0),
+    ("Status", 0),
+    ("Restarts", 0),
+    ("Age", 0),
+    ("IP", 1),
+    ("Node", 1),
+)
+
+
+def _age(created: datetime) -> str:
+    seconds = int((datetime.now(UTC) - created).total_seconds())
+    if seconds < 120:
+        return f"{seconds}s"
+    if seconds < 7200:
+        return f"{seconds // 60}m"
+    return f"{seconds // 3600}h"
+
+
+class KubeApi:
+    """Serves the API requests kubectl makes for pods and their streams."""
+
+    def __init__(self, source: PodSource) -> None:
+        self.source = source
+
+    def find(self, namespace: str, name: str) -> PodView | None:
+        for pod in self.source.list_pods():
+            if pod.namespace == namespace and pod.name == name:
+                return pod
+        return None
+
+    async def serve(
+        self, host: str = "127.0.0.1", port: int = 0, *, ssl_context: ssl.SSLContext | None = None
+    ) -> asyncio.Server:
+        return await start_server(self.handle, host, port, ssl_context=ssl_context)
+
+    async def handle(self, conn: SocketStream) -> None:
+        handshake = ServerHandshake()
+        while True:
+            try:
+                request = await next_request(conn, handshake)
+            except HandshakeError as exc:
+                await self._send_status(conn, handshake, exc.status, "BadRequest", exc.message)
+                return
+            except RemoteProtocolError:
+                return
+            if request is None:
+                return
+            if await self._route(conn, handshake, request):
+                return  # the connection was upgraded and is finished
+
+    async def _route(
+        self, conn: SocketStream, handshake: ServerHandshake, request: UpgradeRequest
+    ) -> bool:
+        path = request.path
+        if path == "/api":
+            await self._send_json(conn, handshake, API_VERSIONS)
+        elif path == "/apis":
+            await self._send_json(conn, handshake, API_GROUPS)
+        elif path == "/api/v1":
+            await self._send_json(conn, handshake, API_RESOURCES)
+        elif path == "/version":
+            await self._send_json(
+                conn, handshake, {"major": "1", "minor": "33", "gitVersion": "v1.33.0-podgate"}
+            )
+        elif m := _LIST_PATH.match(path):
+            await self._list(conn, handshake, request, m["ns"] and unquote(m["ns"]))
+        elif m := _POD_PATH.match(path):
+            pod = self.find(unquote(m["ns"]), unquote(m["name"]))
+            sub = m["sub"]
+            if pod is None:
+                await self._send_status(
+                    conn,
+                    handshake,
+                    404,
+                    "NotFound",
+                    f'pods "{unquote(m["name"])}" not found',
+                    details={"name": unquote(m["name"]), "kind": "pods"},
+                )
+            elif sub is None:
+                await self._send_json(conn, handshake, pod.body())
+            elif sub in _SUBRESOURCES:
+                return await self._stream(conn, handshake, request, pod, _SUBRESOURCES[sub])
+            else:
+                await self._send_status(
+                    conn,
+                    handshake,
+                    404,
+                    "NotFound",
+                    "the server could not find the requested resource",
+                )
+        else:
+            await self._send_status(
+                conn, handshake, 404, "NotFound", "the server could not find the requested resource"
+            )
+        return handshake.must_close
+
+    async def _list(
+        self,
+        conn: SocketStream,
+        handshake: ServerHandshake,
+        request: UpgradeRequest,
+        namespace: str | None,
+    ) -> None:
+        pods = [p for p in self.source.list_pods() if namespace is None or p.namespace == namespace]
+        if "as=Table" in (request.header("accept") or ""):
+            body: dict[str, Any] = {
+                "kind": "Table",
+                "apiVersion": "meta.k8s.io/v1",
+                "metadata": {"resourceVersion": "1"},
+                "columnDefinitions": [
+                    {
+                        "name": n,
+                        "type": "string",
+                        "format": "name" if n == "Name" else "",
+                        "description": n,
+                        "priority": priority,
+                    }
+                    for n, priority in _TABLE_COLUMNS
+                ],
+                "rows": [
+                    {
+                        "cells": [
+                            p.name,
+                            f"{sum(c.ready for c in p.containers)}/{len(p.containers)}",
+                            p.phase,
+                            "0",
+                            _age(p.created),
+                            p.ip or "<none>",
+                            p.node or "<none>",
+                        ],
+                        "object": {
+                            "kind": "PartialObjectMetadata",
+                            "apiVersion": "meta.k8s.io/v1",
+                            "metadata": p.body()["metadata"],
+                        },
+                    }
+                    for p in pods
+                ],
+            }
+            await self._send_json(conn, handshake, body, TABLE_CONTENT_TYPE)
+        else:
+            body = {
+                "kind": "PodList",
+                "apiVersion": "v1",
+                "metadata": {"resourceVersion": "1"},
+                "items": [p.body() for p in pods],
+            }
+            await self._send_json(conn, handshake, body)
+
+    async def _stream(
+        self,
+        conn: SocketStream,
+        handshake: ServerHandshake,
+        request: UpgradeRequest,
+        pod: PodView,
+        kind: StreamKind,
+    ) -> bool:
+        """Serve an upgrade; True once the connection is used up."""
+        container: str | None = None
+        if kind is not StreamKind.PORTFORWARD:
+            wanted = dict(request.query_params()).get("container") or None
+            container = self.source.stream_container(pod, wanted)
+            if container is None:
+                await self._send_status(
+                    conn,
+                    handshake,
+                    400,
+                    "BadRequest",
+                    f"container {wanted} is not valid for pod {pod.name}",
+                )
+                return handshake.must_close
+        what = StreamRequest(kind, pod.ref, container=container)
+        await serve_stream(conn, handshake, request, what, self.source.target)
+        return True
+
+    async def _send_json(
+        self,
+        conn: SocketStream,
+        handshake: ServerHandshake,
+        body: dict[str, Any],
+        content_type: str = JSON,
+    ) -> None:
+        data = json.dumps(body, separators=(",", ":")).encode()
+        await conn.send(handshake.respond(200, [(b"Content-Type", content_type.encode())], data))
+
+    async def _send_status(
+        self,
+        conn: SocketStream,
+        handshake: ServerHandshake,
+        code: int,
+        reason: str,
+        message: str,
+        details: dict[str, Any] | None = None,
+    ) -> None:
+        body = k8s.http_status_body(code, reason, message, details)
+        await conn.send(handshake.respond(code, [(b"Content-Type", b"application/json")], body))

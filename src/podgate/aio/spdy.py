@@ -107,6 +107,16 @@ class SpdyStream(ByteStream):
         if len(chunk) > max_bytes:
             self._chunks.appendleft(chunk[max_bytes:])
             chunk = chunk[:max_bytes]
+        elif self._chunks and len(chunk) + len(self._chunks[0]) <= max_bytes:
+            # Go peers send 32 KiB frames: hand several on at once, so the next hop makes
+            # one large write instead of one per frame.
+            parts = [chunk]
+            size = len(chunk)
+            while self._chunks and size + len(self._chunks[0]) <= max_bytes:
+                nxt = self._chunks.popleft()
+                parts.append(nxt)
+                size += len(nxt)
+            chunk = b"".join(parts)
         self._queued -= len(chunk)
         if self._queued <= MAX_QUEUED_BYTES_PER_STREAM:
             self._writable.set()

@@ -7,6 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEBS := socat iproute2 procps
 PYTEST_ARGS ?=
+STATE_DIR ?= /var/lib/podgate
 
 .PHONY: run test bench lint typecheck unit deps clean
 
@@ -37,7 +38,7 @@ unit: deps
 test: lint typecheck unit
 
 run: deps
-	$(VENV)/bin/podgate demo
+	$(VENV)/bin/podgate up --state-dir $(STATE_DIR)
 
 bench: deps
 	$(PY) -m bench $(BENCH_ARGS)

@@ -19,6 +19,7 @@ from urllib.parse import unquote
 
 from podgate.aio.http import next_request
 from podgate.aio.streams import SocketStream, start_server
+from podgate.node.logs import LogSource, read_log
 from podgate.proto import k8s
 from podgate.proto.errors import RemoteProtocolError
 from podgate.proto.upgrade import HandshakeError, ServerHandshake, StreamKind, UpgradeRequest
@@ -158,10 +159,14 @@ class PodSource(Protocol):
     @property
     def target(self) -> StreamTarget: ...
 
-    def list_pods(self) -> list[PodView]: ...
+    async def list_pods(self) -> list[PodView]: ...
 
     def stream_container(self, pod: PodView, name: str | None) -> str | None:
         """What the target calls the container (an id, or the name); None if unknown."""
+        ...
+
+    async def logs(self, pod: PodView, container: str) -> LogSource | None:
+        """The container's CRI log, or None when this source keeps none."""
         ...
 
 
@@ -192,8 +197,8 @@ class KubeApi:
     def __init__(self, source: PodSource) -> None:
         self.source = source
 
-    def find(self, namespace: str, name: str) -> PodView | None:
-        for pod in self.source.list_pods():
+    async def find(self, namespace: str, name: str) -> PodView | None:
+        for pod in await self.source.list_pods():
             if pod.namespace == namespace and pod.name == name:
                 return pod
         return None
@@ -235,7 +240,7 @@ class KubeApi:
         elif m := _LIST_PATH.match(path):
             await self._list(conn, handshake, request, m["ns"] and unquote(m["ns"]))
         elif m := _POD_PATH.match(path):
-            pod = self.find(unquote(m["ns"]), unquote(m["name"]))
+            pod = await self.find(unquote(m["ns"]), unquote(m["name"]))
             sub = m["sub"]
             if pod is None:
                 await self._send_status(
@@ -248,6 +253,8 @@ class KubeApi:
                 )
             elif sub is None:
                 await self._send_json(conn, handshake, pod.body())
+            elif sub == "log" and request.method in ("GET", "HEAD"):
+                await self._logs(conn, handshake, request, pod)
             elif sub in _SUBRESOURCES:
                 return await self._stream(conn, handshake, request, pod, _SUBRESOURCES[sub])
             else:
@@ -271,7 +278,11 @@ class KubeApi:
         request: UpgradeRequest,
         namespace: str | None,
     ) -> None:
-        pods = [p for p in self.source.list_pods() if namespace is None or p.namespace == namespace]
+        pods = [
+            p
+            for p in await self.source.list_pods()
+            if namespace is None or p.namespace == namespace
+        ]
         if "as=Table" in (request.header("accept") or ""):
             body: dict[str, Any] = {
                 "kind": "Table",
@@ -342,6 +353,65 @@ class KubeApi:
         what = StreamRequest(kind, pod.ref, container=container)
         await serve_stream(conn, handshake, request, what, self.source.target)
         return True
+
+    async def _logs(
+        self, conn: SocketStream, handshake: ServerHandshake, request: UpgradeRequest, pod: PodView
+    ) -> None:
+        params = dict(request.query_params())
+        names = [c.name for c in pod.containers]
+        container = params.get("container") or (names[0] if names else "")
+        if container not in names:
+            await self._send_status(
+                conn,
+                handshake,
+                400,
+                "BadRequest",
+                f"container {container} is not valid for pod {pod.name}",
+            )
+            return
+        try:
+            tail = int(params["tailLines"]) if "tailLines" in params else None
+        except ValueError:
+            await self._send_status(
+                conn, handshake, 400, "BadRequest", "tailLines must be a number"
+            )
+            return
+        if params.get("previous", "false").lower() not in ("", "0", "false"):
+            await self._send_status(
+                conn,
+                handshake,
+                400,
+                "BadRequest",
+                f'previous terminated container "{container}" in pod "{pod.name}" not found',
+            )
+            return
+        source = await self.source.logs(pod, container)
+        if source is None:
+            await self._send_status(
+                conn,
+                handshake,
+                400,
+                "BadRequest",
+                f'container "{container}" in pod "{pod.name}" keeps no logs',
+            )
+            return
+        follow = params.get("follow", "false").lower() not in ("", "0", "false")
+        timestamps = params.get("timestamps", "false").lower() not in ("", "0", "false")
+        lines = read_log(
+            source.path,
+            tail_lines=tail,
+            timestamps=timestamps,
+            follow=follow,
+            still_running=source.still_running,
+        )
+        if not follow:
+            body = b"".join([chunk async for chunk in lines])
+            await conn.send(handshake.respond(200, [(b"Content-Type", b"text/plain")], body))
+            return
+        await conn.send(handshake.start_response(200, [(b"Content-Type", b"text/plain")]))
+        async for chunk in lines:
+            await conn.send(handshake.send_body(chunk))
+        await conn.send(handshake.end_response())
 
     async def _send_json(
         self,

@@ -519,6 +519,52 @@ class ServerHandshake:
             self._state = ServerState.MUST_CLOSE
         return bytes(out)
 
+    def start_response(self, status: int, headers: HeaderInput = ()) -> bytes:
+        """The head of a streamed (chunked) response; body via send_body(), then end_response().
+        For answers whose length is not known up front, like `kubectl logs -f`."""
+        if self._state is not ServerState.RESPONDING:
+            raise LocalProtocolError(f"cannot start a response in state {self._state.name}")
+        items = [
+            (n, v)
+            for n, v in _normalize_headers(headers)
+            if n.lower() not in (b"content-length", b"transfer-encoding")
+        ]
+        items.append((b"Transfer-Encoding", b"chunked"))
+        try:
+            phrase = HTTPStatus(status).phrase.encode("ascii")
+        except ValueError:
+            phrase = b""
+        try:
+            return (
+                self._h11.send(h11.Response(status_code=status, headers=items, reason=phrase))
+                or b""
+            )
+        except h11.LocalProtocolError as exc:
+            raise LocalProtocolError(f"cannot send response: {exc}") from exc
+
+    def send_body(self, data: bytes) -> bytes:
+        """One chunk of a streamed response (empty data sends nothing)."""
+        if not data:
+            return b""
+        try:
+            return self._h11.send(h11.Data(data=data)) or b""
+        except h11.LocalProtocolError as exc:
+            raise LocalProtocolError(f"cannot send body: {exc}") from exc
+
+    def end_response(self) -> bytes:
+        """The last chunk; the connection is then ready for the next request (or must close)."""
+        try:
+            out = self._h11.send(h11.EndOfMessage()) or b""
+        except h11.LocalProtocolError as exc:
+            raise LocalProtocolError(f"cannot end response: {exc}") from exc
+        self._request = None
+        if self._h11.our_state is h11.DONE and self._h11.their_state is h11.DONE:
+            self._h11.start_next_cycle()
+            self._state = ServerState.RECEIVING
+        else:
+            self._state = ServerState.MUST_CLOSE
+        return out
+
     @property
     def trailing_data(self) -> bytes:
         """Bytes the client sent after the upgrade request: the next protocol's first input."""

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from podgate.node.kubeapi import ContainerView, PodView
-from podgate.runtime.api import PodConfig
+from podgate.node.logs import LogSource
+from podgate.runtime.api import PodConfig, RuntimeError_
 from podgate.runtime.model import (
     ContainerMetadata,
     ContainerSpec,
@@ -41,7 +42,7 @@ class RuntimePodSource:
         self.target = target
         self.node = node
 
-    def list_pods(self) -> list[PodView]:
+    async def list_pods(self) -> list[PodView]:
         views = []
         for pod in self.runtime.list_pods():
             containers = self.runtime.pod_containers(pod.id)
@@ -70,6 +71,23 @@ class RuntimePodSource:
                 )
             )
         return views
+
+    async def logs(self, pod: PodView, container: str) -> LogSource | None:
+        for c in pod.containers:
+            if c.name == container:
+                record = self.runtime.containers.get(c.id)
+                if record is None or not record.log_file:
+                    return None
+
+                async def running(cid: str = c.id) -> bool:
+                    try:
+                        state = self.runtime.get_container(cid).state
+                    except RuntimeError_:
+                        return False
+                    return state is ContainerState.RUNNING
+
+                return LogSource(record.log_file, running)
+        return None
 
     def stream_container(self, pod: PodView, name: str | None) -> str | None:
         for c in pod.containers:

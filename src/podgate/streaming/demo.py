@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from podgate.node.kubeapi import ContainerView, KubeApi, PodView
+from podgate.node.logs import LogSource
 from podgate.streaming.target import StreamTarget
 
 
@@ -44,7 +45,7 @@ class DemoSource:
         self.target = target
         self.pods = list(pods)
 
-    def list_pods(self) -> list[PodView]:
+    async def list_pods(self) -> list[PodView]:
         return [p.view() for p in self.pods]
 
     def stream_container(self, pod: PodView, name: str | None) -> str | None:
@@ -52,6 +53,9 @@ class DemoSource:
         if name is None:
             return names[0] if names else None
         return name if name in names else None
+
+    async def logs(self, pod: PodView, container: str) -> LogSource | None:
+        return None  # the demo's "containers" are this host: no CRI logs
 
 
 class DemoApi(KubeApi):

@@ -23,6 +23,7 @@ from podgate.node.logs import LogSource, read_log
 from podgate.proto import k8s
 from podgate.proto.errors import RemoteProtocolError
 from podgate.proto.upgrade import HandshakeError, ServerHandshake, StreamKind, UpgradeRequest
+from podgate.streaming.hooks import SessionHooks
 from podgate.streaming.server import StreamRequest, serve_stream
 from podgate.streaming.target import PodRef, StreamTarget
 
@@ -191,11 +192,51 @@ def _age(created: datetime) -> str:
     return f"{seconds // 3600}h"
 
 
+class StreamGuard(Protocol):
+    """One admitted stream: its hooks, and the call that closes its audit record."""
+
+    @property
+    def hooks(self) -> SessionHooks: ...
+
+    def finish(self, outcome: str, detail: str = "") -> None: ...
+
+
+class Guard(Protocol):
+    """Authentication, authorization, audit and limits (the gateway); None = open access."""
+
+    def identify(self, conn: SocketStream, request: UpgradeRequest) -> object | None:
+        """Who sent the request; None answers 401."""
+        ...
+
+    def check(
+        self, who: object, verb: str, namespace: str, pod: str, request: UpgradeRequest
+    ) -> str | None:
+        """None if allowed, else the reason (denials are audited here)."""
+        ...
+
+    def admit(
+        self, who: object, verb: str, pod: PodView, container: str | None, request: UpgradeRequest
+    ) -> StreamGuard | str:
+        """Start a stream (limits, audit), or the reason it is refused (429)."""
+        ...
+
+
+# The verb each pod subresource is authorised as, whatever the HTTP method: a WebSocket GET
+# to /exec is an exec, never a "get".
+_SUBRESOURCE_VERBS = {
+    "exec": "exec",
+    "attach": "attach",
+    "portforward": "portforward",
+    "log": "log",
+}
+
+
 class KubeApi:
     """Serves the API requests kubectl makes for pods and their streams."""
 
-    def __init__(self, source: PodSource) -> None:
+    def __init__(self, source: PodSource, *, guard: Guard | None = None) -> None:
         self.source = source
+        self.guard = guard
 
     async def find(self, namespace: str, name: str) -> PodView | None:
         for pod in await self.source.list_pods():
@@ -226,7 +267,18 @@ class KubeApi:
     async def _route(
         self, conn: SocketStream, handshake: ServerHandshake, request: UpgradeRequest
     ) -> bool:
+        who: object = None
+        if self.guard is not None:
+            who = self.guard.identify(conn, request)
+            if who is None:
+                await self._send_status(conn, handshake, 401, "Unauthorized", "Unauthorized")
+                return handshake.must_close
         path = request.path
+        if self.guard is not None:
+            denied = self._authorize(who, request, path)
+            if denied is not None:
+                await self._send_status(conn, handshake, 403, "Forbidden", denied)
+                return handshake.must_close
         if path == "/api":
             await self._send_json(conn, handshake, API_VERSIONS)
         elif path == "/apis":
@@ -256,7 +308,7 @@ class KubeApi:
             elif sub == "log" and request.method in ("GET", "HEAD"):
                 await self._logs(conn, handshake, request, pod)
             elif sub in _SUBRESOURCES:
-                return await self._stream(conn, handshake, request, pod, _SUBRESOURCES[sub])
+                return await self._stream(conn, handshake, request, pod, _SUBRESOURCES[sub], who)
             else:
                 await self._send_status(
                     conn,
@@ -270,6 +322,18 @@ class KubeApi:
                 conn, handshake, 404, "NotFound", "the server could not find the requested resource"
             )
         return handshake.must_close
+
+    def _authorize(self, who: object, request: UpgradeRequest, path: str) -> str | None:
+        assert self.guard is not None
+        if path in ("/api", "/apis", "/api/v1", "/version"):
+            return None  # discovery: any authenticated user
+        if m := _LIST_PATH.match(path):
+            namespace = unquote(m["ns"]) if m["ns"] else "*"
+            return self.guard.check(who, "list", namespace, "*", request)
+        if m := _POD_PATH.match(path):
+            verb = _SUBRESOURCE_VERBS.get(m["sub"] or "", "get")
+            return self.guard.check(who, verb, unquote(m["ns"]), unquote(m["name"]), request)
+        return None  # not found follows
 
     async def _list(
         self,
@@ -335,6 +399,7 @@ class KubeApi:
         request: UpgradeRequest,
         pod: PodView,
         kind: StreamKind,
+        who: object = None,
     ) -> bool:
         """Serve an upgrade; True once the connection is used up."""
         container: str | None = None
@@ -350,8 +415,25 @@ class KubeApi:
                     f"container {wanted} is not valid for pod {pod.name}",
                 )
                 return handshake.must_close
-        what = StreamRequest(kind, pod.ref, container=container)
-        await serve_stream(conn, handshake, request, what, self.source.target)
+        if self.guard is None:
+            what = StreamRequest(kind, pod.ref, container=container)
+            await serve_stream(conn, handshake, request, what, self.source.target)
+            return True
+        admitted = self.guard.admit(who, kind.name.lower(), pod, container, request)
+        if isinstance(admitted, str):
+            await self._send_status(conn, handshake, 429, "TooManyRequests", admitted)
+            return handshake.must_close
+        what = StreamRequest(kind, pod.ref, container=container, hooks=admitted.hooks)
+        outcome, detail = "error", ""
+        try:
+            code = await serve_stream(conn, handshake, request, what, self.source.target)
+            outcome = "completed"
+            detail = "" if code is None else f"exit code {code}"
+        except Exception as exc:
+            detail = f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            admitted.finish(outcome, detail)
         return True
 
     async def _logs(

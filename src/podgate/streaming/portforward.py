@@ -13,6 +13,7 @@ from podgate.aio.spdy import SpdySession, SpdyStream
 from podgate.aio.splice import splice
 from podgate.aio.wschannel import ChannelSession
 from podgate.proto import portforward as pf
+from podgate.streaming.hooks import NO_HOOKS, ForwardRecord, SessionHooks
 from podgate.streaming.target import PodRef, StreamTarget, TargetError
 
 log = logging.getLogger(__name__)
@@ -24,9 +25,17 @@ PAIR_EXPIRY_CHECK_SECONDS = 1.0
 class SpdyPortForwardServer:
     """Pairs a session's error/data streams by requestid and forwards each pair."""
 
-    def __init__(self, pod: PodRef, target: StreamTarget, *, label: str = "") -> None:
+    def __init__(
+        self,
+        pod: PodRef,
+        target: StreamTarget,
+        *,
+        label: str = "",
+        hooks: SessionHooks = NO_HOOKS,
+    ) -> None:
         self.pod = pod
         self.target = target
+        self.hooks = hooks
         self.pairing = pf.PortForwardPairing(conn_label=label or hex(id(self)))
         self._streams: dict[int, SpdyStream] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -93,42 +102,89 @@ class SpdyPortForwardServer:
         error = self._streams.pop(pair.error_stream_id)
         data = self._streams.pop(pair.data_stream_id)
         self.pairing.remove(pair.request_id)
+        record = ForwardRecord(pair.port)
+        self.hooks.forward_started(record)
+        try:
+            await self._run_pair(pair, error, data, record)
+        finally:
+            self.hooks.forward_finished(record)
+
+    async def _run_pair(
+        self, pair: pf.Pair, error: SpdyStream, data: SpdyStream, record: ForwardRecord
+    ) -> None:
+        denied = self.hooks.check_port(pair.port)
+        if denied is not None:
+            record.outcome, record.reason = "denied", denied
+            await self._fail(error, data, denied)
+            return
         try:
             upstream = await self.target.open_port(self.pod, pair.port)
         except TargetError as exc:
             message = pf.forward_error_message(pair.port, self.pod.label, self.pod.uid, str(exc))
+            record.outcome, record.reason = "error", message
             log.info("port-forward %s: %s", self.pod, message)
-            with contextlib.suppress(StreamError):
-                await error.send(message.encode())
-            data.reset()
-            error.reset()
+            await self._fail(error, data, message)
             return
-        result = await splice(data, upstream)
-        if result.error is not None:
+        result = await splice(data, self.hooks.wrap(upstream))
+        record.bytes_in, record.bytes_out = result.a_to_b, result.b_to_a
+        forwarded = getattr(result.error, "forward_message", None)
+        if isinstance(forwarded, str) and forwarded:
+            # The runtime behind us explained the failure: pass its words on.
+            record.outcome, record.reason = "error", forwarded
+            await self._fail(error, data, forwarded)
+        elif result.error is not None:
             log.debug("port-forward %s:%d ended: %s", self.pod, pair.port, result.error)
+            record.outcome, record.reason = "error", str(result.error)
             error.reset()
         else:
             with contextlib.suppress(StreamError):
                 await error.send_eof()
             await error.aclose()
 
+    @staticmethod
+    async def _fail(error: SpdyStream, data: SpdyStream, message: str) -> None:
+        """One message on the error stream, then RST data and error (as the kubelet does)."""
+        with contextlib.suppress(StreamError):
+            await error.send(message.encode())
+        data.reset()
+        error.reset()
+
 
 async def serve_websocket_portforward(
-    channels: ChannelSession, ports: Sequence[int], pod: PodRef, target: StreamTarget
+    channels: ChannelSession,
+    ports: Sequence[int],
+    pod: PodRef,
+    target: StreamTarget,
+    hooks: SessionHooks = NO_HOOKS,
 ) -> None:
     """v4 channel port-forward: one connection per port for the life of the WebSocket."""
 
     async def one(index: int, port: int) -> None:
         data_ch = channels.stream(2 * index)
         error_ch = channels.stream(2 * index + 1)
+        record = ForwardRecord(port)
+        hooks.forward_started(record)
         try:
-            upstream = await target.open_port(pod, port)
-        except TargetError as exc:
-            message = pf.forward_error_message(port, pod.label, pod.uid, str(exc))
-            with contextlib.suppress(StreamError):
-                await error_ch.send(message.encode())
-            return
-        await splice(data_ch, upstream)
+            denied = hooks.check_port(port)
+            if denied is not None:
+                record.outcome, record.reason = "denied", denied
+                with contextlib.suppress(StreamError):
+                    await error_ch.send(denied.encode())
+                return
+            try:
+                upstream = await target.open_port(pod, port)
+            except TargetError as exc:
+                message = pf.forward_error_message(port, pod.label, pod.uid, str(exc))
+                record.outcome, record.reason = "error", message
+                with contextlib.suppress(StreamError):
+                    await error_ch.send(message.encode())
+                return
+            result = await splice(data_ch, hooks.wrap(upstream))
+            record.bytes_in, record.bytes_out = result.a_to_b, result.b_to_a
+            if result.error is not None:
+                record.outcome, record.reason = "error", str(result.error)
+        finally:
+            hooks.forward_finished(record)
 
     async with asyncio.TaskGroup() as group:
         for i, port in enumerate(ports):

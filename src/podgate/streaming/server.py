@@ -29,6 +29,7 @@ from podgate.proto.upgrade import (
 )
 from podgate.proto.wschannel import ChannelConnection, TunnelConnection, parse_ports
 from podgate.proto.wschannel import Role as WsRole
+from podgate.streaming.hooks import NO_HOOKS, SessionHooks
 from podgate.streaming.portforward import SpdyPortForwardServer, serve_websocket_portforward
 from podgate.streaming.remotecommand import serve_spdy_exec, serve_ws_exec
 from podgate.streaming.target import ExecIO, PodRef, StreamTarget
@@ -48,6 +49,7 @@ class StreamRequest:
     # A CRI streaming server knows the options from the CRI call (the token), not the query.
     options: rc.ExecOptions | None = None
     ports: tuple[int, ...] = ()
+    hooks: SessionHooks = NO_HOOKS
 
 
 async def reject(
@@ -116,7 +118,7 @@ async def serve_stream(
     if decision.transport is Transport.SPDY:
         session = SpdySession(conn, Role.SERVER, idle_timeout=idle_timeout, name=label)
         if what.kind is StreamKind.PORTFORWARD:
-            server = SpdyPortForwardServer(what.pod, target, label=label)
+            server = SpdyPortForwardServer(what.pod, target, label=label, hooks=what.hooks)
             session.on_stream = server.on_stream
             await server.serve(session)
             return None
@@ -125,7 +127,7 @@ async def serve_stream(
     if decision.transport is Transport.WEBSOCKET_TUNNEL:
         wire = TunnelWire(conn, TunnelConnection(WsRole.SERVER))
         session = SpdySession(wire, Role.SERVER, idle_timeout=idle_timeout, name=label)
-        server = SpdyPortForwardServer(what.pod, target, label=label)
+        server = SpdyPortForwardServer(what.pod, target, label=label, hooks=what.hooks)
         session.on_stream = server.on_stream
         await server.serve(session)
         return None
@@ -135,7 +137,7 @@ async def serve_stream(
         try:
             for message in _port_headers(ports):
                 channels.send_nowait(*message)
-            await serve_websocket_portforward(channels, ports, what.pod, target)
+            await serve_websocket_portforward(channels, ports, what.pod, target, what.hooks)
         finally:
             await channels.aclose(1000)
             reader.cancel()

@@ -1,0 +1,342 @@
+"""`podgate node`: the kubelet's streaming role plus the API slice kubectl needs, for one node,
+in front of any CRI runtime — authenticated, authorised, audited, limited.
+
+Every request is authenticated (x509 client certificate, else bearer token) and authorised
+as the verb it performs (a WebSocket GET to /exec is an exec). Streams are terminated here
+and re-opened towards the runtime's one-time streaming URLs as a SPDY client, so the runtime's
+unauthenticated streaming server never faces a client, and every port-forward stream's port is
+known to policy and audit.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import ssl
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from podgate.aio.streams import SocketStream
+from podgate.node.auth import Authenticator, TokenFile, UserInfo
+from podgate.node.kubeapi import PodView
+from podgate.node.policy import Policy
+from podgate.proto.upgrade import UpgradeRequest
+from podgate.streaming.hooks import ForwardRecord, SessionHooks
+
+log = logging.getLogger(__name__)
+
+# Concurrent streams one user, and one pod, may have open (0 = no cap).
+DEFAULT_MAX_STREAMS_PER_USER = 64
+DEFAULT_MAX_STREAMS_PER_POD = 128
+
+
+@dataclass(slots=True)
+class Limits:
+    max_streams_per_user: int = DEFAULT_MAX_STREAMS_PER_USER
+    max_streams_per_pod: int = DEFAULT_MAX_STREAMS_PER_POD
+    max_bytes_per_sec: float | None = None  # per stream, each way; None = unlimited
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """An authenticated user and where the request came from."""
+
+    user: UserInfo
+    address: str
+
+
+class AuditLog:
+    """JSON lines, one per decision and per finished stream; flushed at once."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self._file: TextIO | None = None
+        self._lock = threading.Lock()
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            self._file = os.fdopen(fd, "a", encoding="utf-8")
+
+    def write(self, **entry: Any) -> None:
+        entry = {"time": _now(), **entry}
+        line = json.dumps(entry, separators=(",", ":"), default=str)
+        if self._file is None:
+            log.info("audit %s", line)
+            return
+        with self._lock:
+            self._file.write(line + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+def _now() -> str:
+    now = time.time()
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1e6):06d}Z"
+
+
+class Metrics:
+    """Prometheus metrics in a registry of their own, served on a separate loopback port."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.active = Gauge("podgate_active_streams", "Open streams", ["verb"], registry=r)
+        self.streams = Counter("podgate_streams", "Streams started", ["verb"], registry=r)
+        self.bytes = Counter(
+            "podgate_stream_bytes", "Bytes carried", ["verb", "direction"], registry=r
+        )
+        self.duration = Histogram(
+            "podgate_stream_duration_seconds",
+            "Stream durations",
+            ["verb"],
+            registry=r,
+            buckets=(0.01, 0.1, 1, 10, 60, 600, 3600, 14400),
+        )
+        self.denials = Counter("podgate_denials", "Requests denied", ["verb"], registry=r)
+        self.upstream_errors = Counter(
+            "podgate_upstream_errors", "Failures reaching the runtime", ["verb"], registry=r
+        )
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> None:
+        start_http_server(port, addr=host, registry=self.registry)
+
+
+class Gate:
+    """The gateway's Guard: authentication, authorisation, audit, metrics and limits."""
+
+    def __init__(
+        self,
+        authenticator: Authenticator,
+        policy: Policy,
+        audit: AuditLog,
+        metrics: Metrics | None = None,
+        limits: Limits | None = None,
+    ) -> None:
+        self.authenticator = authenticator
+        self.policy = policy
+        self.audit = audit
+        self.metrics = metrics or Metrics()
+        self.limits = limits or Limits()
+        self._per_user: collections.Counter[str] = collections.Counter()
+        self._per_pod: collections.Counter[str] = collections.Counter()
+
+    # -- Guard
+    def identify(self, conn: SocketStream, request: UpgradeRequest) -> object | None:
+        ssl_object = conn.transport.get_extra_info("ssl_object")
+        peercert = ssl_object.getpeercert() if isinstance(ssl_object, ssl.SSLObject) else None
+        address = _address(conn)
+        user = self.authenticator.authenticate(request.headers, peercert)
+        if user is None:
+            self.audit.write(
+                user=None,
+                address=address,
+                verb=request.method,
+                path=request.path,
+                outcome="denied",
+                reason="unauthenticated",
+            )
+            return None
+        return Caller(user, address)
+
+    def check(
+        self, who: object, verb: str, namespace: str, pod: str, request: UpgradeRequest
+    ) -> str | None:
+        assert isinstance(who, Caller)
+        decision = self.policy.authorize(who.user, verb, namespace, pod)
+        if decision.allowed:
+            return None
+        self.metrics.denials.labels(verb).inc()
+        self.audit.write(
+            **_who(who),
+            verb=verb,
+            namespace=namespace,
+            pod=pod,
+            path=request.path,
+            outcome="denied",
+            reason=decision.reason,
+        )
+        return decision.reason
+
+    def admit(
+        self, who: object, verb: str, pod: PodView, container: str | None, request: UpgradeRequest
+    ) -> GateStream | str:
+        assert isinstance(who, Caller)
+        pod_key = f"{pod.namespace}/{pod.name}"
+        limits = self.limits
+        if (
+            limits.max_streams_per_user
+            and self._per_user[who.user.name] >= limits.max_streams_per_user
+        ):
+            reason = f"user {who.user.name!r} has {limits.max_streams_per_user} streams open"
+        elif limits.max_streams_per_pod and self._per_pod[pod_key] >= limits.max_streams_per_pod:
+            reason = f"pod {pod_key} has {limits.max_streams_per_pod} streams open"
+        else:
+            return GateStream(self, who, verb, pod, container, request)
+        self.metrics.denials.labels(verb).inc()
+        self.audit.write(
+            **_who(who),
+            verb=verb,
+            namespace=pod.namespace,
+            pod=pod.name,
+            outcome="denied",
+            reason=reason,
+        )
+        return reason
+
+    @contextmanager
+    def _counted(self, user: str, pod: str) -> Iterator[None]:
+        self._per_user[user] += 1
+        self._per_pod[pod] += 1
+        try:
+            yield
+        finally:
+            self._per_user[user] -= 1
+            self._per_pod[pod] -= 1
+
+
+class GateStream(SessionHooks):
+    """One admitted exec/attach/port-forward session and its forwarded connections."""
+
+    def __init__(
+        self,
+        gate: Gate,
+        who: Caller,
+        verb: str,
+        pod: PodView,
+        container: str | None,
+        request: UpgradeRequest,
+    ) -> None:
+        self.gate = gate
+        self.who = who
+        self.verb = verb
+        self.pod = pod
+        self.container = container
+        self.request = request
+        self.started = time.monotonic()
+        self.max_bytes_per_sec = gate.limits.max_bytes_per_sec
+        self._count = gate._counted(who.user.name, f"{pod.namespace}/{pod.name}")
+        self._count.__enter__()
+        gate.metrics.active.labels(verb).inc()
+        gate.metrics.streams.labels(verb).inc()
+        command = [v for k, v in request.query_params() if k == "command"]
+        self._base: dict[str, Any] = {
+            **_who(who),
+            "verb": verb,
+            "namespace": pod.namespace,
+            "pod": pod.name,
+            "container": container,
+            "transport": _transport(request),
+        }
+        if command:
+            self._base["command"] = command
+        if verb != "portforward":
+            gate.audit.write(**self._base, outcome="allowed", stage="started")
+
+    @property
+    def hooks(self) -> SessionHooks:
+        return self
+
+    # -- port-forward hooks
+    def check_port(self, port: int) -> str | None:
+        decision = self.gate.policy.authorize(
+            self.who.user, "portforward", self.pod.namespace, self.pod.name, port
+        )
+        return None if decision.allowed else decision.reason
+
+    def forward_started(self, record: ForwardRecord) -> None:
+        self.gate.metrics.active.labels("portforward-connection").inc()
+
+    def forward_finished(self, record: ForwardRecord) -> None:
+        metrics = self.gate.metrics
+        metrics.active.labels("portforward-connection").dec()
+        metrics.bytes.labels(self.verb, "in").inc(record.bytes_in)
+        metrics.bytes.labels(self.verb, "out").inc(record.bytes_out)
+        if record.outcome == "denied":
+            metrics.denials.labels("portforward").inc()
+        elif record.outcome == "error":
+            metrics.upstream_errors.labels("portforward").inc()
+        self.gate.audit.write(
+            **self._base,
+            port=record.port,
+            outcome=record.outcome,
+            reason=record.reason,
+            duration=round(record.duration, 6),
+            bytes_in=record.bytes_in,
+            bytes_out=record.bytes_out,
+        )
+
+    # -- StreamGuard
+    def finish(self, outcome: str, detail: str = "") -> None:
+        duration = time.monotonic() - self.started
+        self._count.__exit__(None, None, None)
+        metrics = self.gate.metrics
+        metrics.active.labels(self.verb).dec()
+        metrics.duration.labels(self.verb).observe(duration)
+        if outcome == "error":
+            metrics.upstream_errors.labels(self.verb).inc()
+        self.gate.audit.write(
+            **self._base,
+            outcome=outcome,
+            reason=detail,
+            stage="finished",
+            duration=round(duration, 6),
+        )
+
+
+def _who(who: Caller) -> dict[str, Any]:
+    return {
+        "user": who.user.name,
+        "groups": list(who.user.groups),
+        "auth": who.user.method,
+        "address": who.address,
+    }
+
+
+def _address(conn: SocketStream) -> str:
+    peer = conn.peername
+    if isinstance(peer, tuple) and len(peer) >= 2:
+        host = str(peer[0])
+        return f"[{host}]:{peer[1]}" if ":" in host else f"{host}:{peer[1]}"
+    return str(peer or "")
+
+
+def _transport(request: UpgradeRequest) -> str:
+    upgrade = (request.header("upgrade") or "").lower()
+    if "websocket" in upgrade:
+        return f"websocket:{request.header('sec-websocket-protocol') or ''}"
+    if "spdy" in upgrade:
+        return "spdy"
+    return "http"
+
+
+@dataclass(slots=True)
+class GatewayConfig:
+    state_dir: str
+    cri_socket: str
+    host: str = "127.0.0.1"
+    port: int = 6443
+    token_file: str = ""
+    policy_file: str = ""
+    audit_log: str = ""
+    metrics_port: int = 0  # 0 = no metrics endpoint
+    limits: Limits = field(default_factory=Limits)
+    plain_http: bool = False  # loopback only; kubectl then sends no credentials
+
+
+def load_guard(config: GatewayConfig, metrics: Metrics | None = None) -> Gate:
+    tokens = TokenFile.load(config.token_file) if config.token_file else None
+    policy = Policy.load(config.policy_file) if config.policy_file else Policy.allow_all()
+    audit = AuditLog(config.audit_log or str(Path(config.state_dir) / "audit.log"))
+    return Gate(Authenticator(tokens), policy, audit, metrics, config.limits)

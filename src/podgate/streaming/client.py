@@ -14,7 +14,7 @@ import os
 import ssl
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from urllib.parse import quote
+from urllib.parse import quote, unquote, urlsplit
 
 from podgate.aio.errors import BrokenStreamError, StreamError
 from podgate.aio.spdy import SpdySession, SpdyStream
@@ -69,11 +69,49 @@ class Endpoint:
     ssl_context: ssl.SSLContext | None = None
     server_hostname: str | None = None
     headers: tuple[tuple[str, str], ...] = field(default=())
+    unix_path: str | None = None  # connect here instead of host:port (host is only the Host)
 
     @property
     def authority(self) -> str:
+        if self.unix_path is not None:
+            return self.host
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"{host}:{self.port}"
+
+
+# Host header sent to a server on a unix socket, which has no host name of its own.
+UNIX_SOCKET_HOST = "localhost"
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def endpoint_from_url(
+    url: str, *, ssl_context: ssl.SSLContext | None = None
+) -> tuple[Endpoint, str]:
+    """Split a streaming URL (`http://h:p/x`, `https://…`, `http+unix://%2Fpath.sock/x`, as
+    CRI Exec/Attach/PortForward return) into an endpoint and the request path (with query).
+
+    `ssl_context` is used for https; without one the system's default verification applies.
+    """
+    parts = urlsplit(url)
+    scheme, _, transport = parts.scheme.lower().partition("+")
+    if scheme not in _DEFAULT_PORTS or transport not in ("", "unix"):
+        raise ValueError(f"unsupported streaming URL scheme: {parts.scheme!r}")
+    context = None
+    if scheme == "https":
+        context = ssl_context or ssl.create_default_context()
+    path = parts.path or "/"
+    if parts.query:
+        path = f"{path}?{parts.query}"
+    if transport == "unix":
+        socket_path = unquote(parts.netloc)
+        if not socket_path:
+            raise ValueError(f"no socket path in {url!r}")
+        endpoint = Endpoint(UNIX_SOCKET_HOST, 0, context, unix_path=socket_path)
+        return endpoint, path
+    if not parts.hostname:
+        raise ValueError(f"no host in {url!r}")
+    port = parts.port or _DEFAULT_PORTS[scheme]
+    return Endpoint(parts.hostname, port, context), path
 
 
 def pod_path(namespace: str, pod: str, subresource: str) -> str:
@@ -104,12 +142,19 @@ def exec_query(
 async def _upgrade(
     endpoint: Endpoint, request: bytes, handshake: ClientHandshake
 ) -> tuple[SocketStream, UpgradeResponse]:
-    conn = await SocketStream.connect(
-        endpoint.host,
-        endpoint.port,
-        ssl_context=endpoint.ssl_context,
-        server_hostname=endpoint.server_hostname or endpoint.host,
-    )
+    if endpoint.unix_path is not None:
+        conn = await SocketStream.connect_unix(
+            endpoint.unix_path,
+            ssl_context=endpoint.ssl_context,
+            server_hostname=endpoint.server_hostname or endpoint.host,
+        )
+    else:
+        conn = await SocketStream.connect(
+            endpoint.host,
+            endpoint.port,
+            ssl_context=endpoint.ssl_context,
+            server_hostname=endpoint.server_hostname or endpoint.host,
+        )
     try:
         conn.write(request)
         async with asyncio.timeout(UPGRADE_TIMEOUT_SECONDS):
@@ -215,6 +260,7 @@ async def exec_spdy(
     resizes: AsyncIterator[rc.TerminalSize] | None = None,
     protocols: Sequence[str] = EXEC_SPDY_PROTOCOLS,
     want_stdin: bool | None = None,
+    want_stderr: bool | None = None,
 ) -> ExecResult:
     """Run an exec/attach over SPDY. `path` includes the query (see exec_query)."""
     session, protocol, reader = await connect_spdy(endpoint, path, protocols)
@@ -225,9 +271,9 @@ async def exec_spdy(
         if has_stdin:
             opened["stdin"] = await session.open_stream({"streamtype": "stdin"})
         opened["stdout"] = await session.open_stream({"streamtype": "stdout"})
-        if not tty:
+        if not tty and (want_stderr if want_stderr is not None else True):
             opened["stderr"] = await session.open_stream({"streamtype": "stderr"})
-        elif rc.supports_resize(protocol):
+        elif tty and rc.supports_resize(protocol):
             opened["resize"] = await session.open_stream({"streamtype": "resize"})
         tasks = [asyncio.create_task(_pump_out(opened["stdout"], stdout))]
         if "stderr" in opened:
@@ -384,6 +430,7 @@ __all__ = [
     "PortForwardSession",
     "ProtocolError",
     "UpgradeError",
+    "endpoint_from_url",
     "exec_query",
     "exec_spdy",
     "exec_websocket",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import functools
 import logging
 import os
 import pty
@@ -85,6 +86,8 @@ async def run_process(command: Sequence[str], io: ExecIO, *, cwd: str | None = N
         raise TargetError(f'exec: "{command[0]}": executable file not found in $PATH') from exc
     except PermissionError as exc:
         raise TargetError(f'exec: "{command[0]}": permission denied') from exc
+    except OSError as exc:  # E2BIG, ENOEXEC, EMFILE…: the command never ran
+        raise TargetError(f'exec: "{command[0]}": {exc.strerror or exc}') from exc
 
 
 def _exit_code(returncode: int) -> int:
@@ -180,8 +183,9 @@ async def _run_pty(command: Sequence[str], io: ExecIO, cwd: str | None) -> int:
             stdout=slave,
             stderr=slave,
             cwd=cwd,
-            start_new_session=True,
-            preexec_fn=_make_controlling_tty,
+            # setsid and the controlling tty happen in preexec: uvloop runs preexec_fn before
+            # it sets up the child's stdio, so the slave is named by its own fd there.
+            preexec_fn=functools.partial(_make_controlling_tty, slave),
         )
     except BaseException:
         for task in helpers:
@@ -259,6 +263,8 @@ async def _run_pty(command: Sequence[str], io: ExecIO, cwd: str | None) -> int:
     return _exit_code(returncode)
 
 
-def _make_controlling_tty() -> None:
-    # Runs in the child after setsid(): make stdin (the pty slave) the controlling terminal.
-    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+def _make_controlling_tty(slave: int) -> None:
+    # Runs in the child between fork and exec: a new session whose controlling terminal is
+    # the pty slave (still open here whatever the event loop did with stdio so far).
+    os.setsid()
+    fcntl.ioctl(slave, termios.TIOCSCTTY, 0)

@@ -41,6 +41,10 @@ async def run_and_report(run: Runner, io: ExecIO, protocol: str) -> tuple[bytes 
         code = await run(io)
     except TargetError as exc:
         return rc.error_stream_payload(protocol, None, str(exc)), None
+    except Exception as exc:
+        # Never let a failure read as success: an empty error stream means exit code 0.
+        log.exception("exec failed")
+        return rc.error_stream_payload(protocol, None, f"{type(exc).__name__}: {exc}"), None
     return rc.error_stream_payload(protocol, code, None), code
 
 

@@ -33,6 +33,8 @@ SOCKET_MODE = 0o600
 # The kubelet's CRI client limit (pkg/kubelet/cri/remote maxMsgSize); ExecSync output can
 # approach it.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+# ExecSync answers carry up to 16 MiB of stdout and 16 MiB of stderr plus framing.
+MAX_SEND_MESSAGE_BYTES = 2 * MAX_MESSAGE_BYTES + 1024 * 1024
 # How long in-flight calls may finish after stop_cri is called.
 STOP_GRACE_SECONDS = 5.0
 
@@ -327,7 +329,7 @@ async def serve_cri(
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_SEND_MESSAGE_BYTES),
         ]
     )
     pb_grpc.add_RuntimeServiceServicer_to_server(RuntimeServicer(runtime), server)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from types import FrameType
 
 from rich.console import Console
 
+from bench import runtime as bench_runtime
 from bench.common import LOOP_CHOICES, format_size, parse_size
 from bench.portforward import DIRECTIONS, PATH_NAMES, Options, run_all
 from bench.procs import ChildError
@@ -108,6 +110,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="run each podgate server under cProfile, stats written here",
     )
     parser.add_argument(
+        "--runtime",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also port-forward into a real pod through `podgate runtime` (default: on as root)",
+    )
+    parser.add_argument(
+        "--runtime-paths",
+        type=_names(bench_runtime.RUNTIME_PATH_NAMES),
+        default=list(bench_runtime.RUNTIME_PATH_NAMES),
+        help="comma-separated subset of the runtime paths (default: all)",
+    )
+    parser.add_argument(
         "--json",
         type=Path,
         default=RESULTS_DIR / "latest.json",
@@ -159,8 +173,16 @@ def main(argv: list[str] | None = None) -> int:
     err.print(
         f"bench: {format_size(options.size)} x {options.runs} run(s), paths: {', '.join(paths)}"
     )
+
+    def progress(msg: str) -> None:
+        err.print(f"[dim]{msg}[/dim]")
+
+    with_runtime = args.runtime if args.runtime is not None else os.geteuid() == 0
+    runtime = None
     try:
-        results = run_all(options, progress=lambda msg: err.print(f"[dim]{msg}[/dim]"))
+        results = run_all(options, progress=progress)
+        if with_runtime and options.throughput:
+            runtime = bench_runtime.run_runtime(options, args.runtime_paths, progress)
     except ChildError as exc:
         err.print(f"[red]bench failed: {exc}[/red]")
         return 1
@@ -168,14 +190,20 @@ def main(argv: list[str] | None = None) -> int:
         err.print("[red]interrupted; every started process was stopped[/red]")
         return 130
     data = results.as_dict()
+    if runtime is not None:
+        data["runtime"] = runtime
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(data, indent=1) + "\n")
     md_path = args.markdown or args.json.with_suffix(".md")
-    md_path.write_text(markdown(data))
+    md_path.write_text(
+        markdown(data) + ("\n" + bench_runtime.markdown(runtime) if runtime is not None else "")
+    )
     print_report(data, console)
+    if runtime is not None:
+        bench_runtime.print_report(runtime, console)
     console.print(f"results: {args.json} and {md_path}")
     failed = [s for s in data["summary"]["throughput"] + data["summary"]["conns"] if s["errors"]]
-    return 1 if failed else 0
+    return 1 if failed or (runtime is not None and bench_runtime.failed(runtime)) else 0
 
 
 if __name__ == "__main__":

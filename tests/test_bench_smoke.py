@@ -130,3 +130,64 @@ def test_verifier_catches_a_reordered_frame_across_the_pattern_period() -> None:
         swapped.feed(frame)
     assert not swapped.ok
     assert swapped.first_bad == 3 * 65536
+
+
+def test_bench_runtime_part_forwards_into_a_real_pod_with_verified_bytes(tmp_path: Path) -> None:
+    """`--runtime` at 2 MiB: a real `podgate runtime` daemon and pod, every path byte-checked,
+    and afterwards neither the daemon nor the pod's processes are left running."""
+    import os
+    import shutil
+
+    import pytest
+
+    if os.geteuid() != 0:
+        pytest.skip("the runtime benchmark needs root (pod network namespaces, nsenter)")
+    out = tmp_path / "results.json"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench",
+            *("--size", "2M", "--runs", "1", "--paths", "direct"),
+            *("--conns", "0", "--sessions", "0", "--runtime", "--json", str(out)),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr + done.stdout
+    section = json.loads(out.read_text())["runtime"]
+    assert section["error"] is None
+    assert "warning" not in section["meta"]  # the target is not reachable from the host
+    expected = ["direct-in-netns", "runtime-spdy", "runtime-tunnel", "runtime-ws"]
+    if shutil.which("socat"):
+        expected.insert(1, "socat-into-netns")
+    else:
+        assert "socat-into-netns" in section["skipped"]
+    rows = section["throughput"]
+    assert [(r["path"], r["direction"]) for r in rows] == [
+        (p, d) for p in expected for d in ("upload", "download")
+    ]
+    for run in rows:
+        assert run["error"] is None, run
+        assert run["verified"] is True
+        assert run["bytes"] == SIZE
+        rate = run["bytes"] / run["seconds"]
+        assert MIN_PLAUSIBLE_BYTES_PER_SECOND < rate < MAX_PLAUSIBLE_BYTES_PER_SECOND
+        assert set(run["cpu"]) >= {"runtime", "target"}
+        assert ("socat" in run["cpu"]) == (run["path"] == "socat-into-netns")
+    ratios = {(s["path"], s["direction"]): s["ratio"] for s in section["summary"]}
+    assert ratios[("direct-in-netns", "upload")]["median"] == 1.0
+    assert ratios[("runtime-spdy", "download")]["median"] > 0
+    assert "| runtime-ws | download |" in (tmp_path / "results.md").read_text()
+
+    pids = section["meta"]["pids"]
+    assert set(pids) == {"runtime", "target", "holder"}
+    for pid in pids.values():  # gone, or reused by something that is not ours
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        assert b"podgate" not in cmdline and b"bench.target" not in cmdline

@@ -27,6 +27,11 @@ class StreamResetError(BrokenStreamError):
         self.status = status
 
 
+class ForwardError(StreamResetError):
+    """A forwarded connection failed further along; the message is the explanation to pass on
+    to the client (e.g. a runtime's `error forwarding port …` text)."""
+
+
 class ConnectError(StreamError):
     """A connection could not be made; `errno` is kept for messages like containerd's."""
 

@@ -379,8 +379,9 @@ class SpdySession:
             raise self.broken from exc
 
     def _touch(self) -> None:
-        if self._timeout is not None and self._idle_timeout is not None:
-            self._timeout.reschedule(self._loop.time() + self._idle_timeout)
+        timeout = self._timeout
+        if timeout is not None and self._idle_timeout is not None and not timeout.expired():
+            timeout.reschedule(self._loop.time() + self._idle_timeout)
 
     def _forget(self, stream_id: int) -> None:
         stream = self._streams.get(stream_id)

@@ -86,7 +86,8 @@ class _StreamProtocol(asyncio.Protocol):
         self._error: BaseException | None = None
         self._reading_paused = False
         self._data_waiter: asyncio.Future[None] | None = None
-        self._drain_waiter: asyncio.Future[None] | None = None
+        # Several writers (the streams of one SPDY session) may wait on one transport at once.
+        self._drain_waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self._writing_paused = False
         self.closed = asyncio.get_running_loop().create_future()
 
@@ -108,15 +109,15 @@ class _StreamProtocol(asyncio.Protocol):
     def eof_received(self) -> bool:
         self._eof = True
         self._wake_reader()
-        return True  # keep our sending half open
+        # Keep our sending half open (TLS has no half-close: there the answer is ignored).
+        return self.transport is None or self.transport.get_extra_info("sslcontext") is None
 
     def connection_lost(self, exc: Exception | None) -> None:
         if exc is not None and self._error is None:
             self._error = exc
         self._eof = True
         self._wake_reader()
-        if self._drain_waiter is not None and not self._drain_waiter.done():
-            self._drain_waiter.set_result(None)
+        self._wake_writers()
         if not self.closed.done():
             self.closed.set_result(None)
 
@@ -125,10 +126,14 @@ class _StreamProtocol(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self._writing_paused = False
-        if self._drain_waiter is not None and not self._drain_waiter.done():
-            self._drain_waiter.set_result(None)
+        self._wake_writers()
 
     # -- helpers for SocketStream
+    def _wake_writers(self) -> None:
+        for waiter in self._drain_waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
     def _wake_reader(self) -> None:
         if self._data_waiter is not None and not self._data_waiter.done():
             self._data_waiter.set_result(None)
@@ -180,11 +185,12 @@ class _StreamProtocol(asyncio.Protocol):
             return
         if not self._writing_paused:
             return
-        self._drain_waiter = asyncio.get_running_loop().create_future()
+        waiter = asyncio.get_running_loop().create_future()
+        self._drain_waiters.append(waiter)
         try:
-            await self._drain_waiter
+            await waiter
         finally:
-            self._drain_waiter = None
+            self._drain_waiters.remove(waiter)
         if self._error is not None:
             raise BrokenStreamError(str(self._error))
 
@@ -221,6 +227,25 @@ class SocketStream(ByteStream):
         stream = cls(proto)
         stream.set_nodelay()
         return stream
+
+    @classmethod
+    async def connect_unix(
+        cls,
+        path: str,
+        *,
+        ssl_context: ssl.SSLContext | None = None,
+        server_hostname: str | None = None,
+    ) -> SocketStream:
+        """Connect to a unix socket (a runtime's streaming server may listen on one)."""
+        loop = asyncio.get_running_loop()
+        with map_os_errors():
+            _, proto = await loop.create_unix_connection(
+                _StreamProtocol,
+                path,
+                ssl=ssl_context,
+                server_hostname=server_hostname if ssl_context else None,
+            )
+        return cls(proto)
 
     @classmethod
     async def from_socket(cls, sock: socket.socket) -> SocketStream:

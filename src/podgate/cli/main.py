@@ -6,6 +6,7 @@ import click
 
 from podgate import __version__
 from podgate.cli.demo import demo
+from podgate.cli.node import node
 from podgate.cli.runtime import runtime
 from podgate.cli.up import up
 
@@ -17,5 +18,6 @@ def main() -> None:
 
 
 main.add_command(demo)
+main.add_command(node)
 main.add_command(runtime)
 main.add_command(up)

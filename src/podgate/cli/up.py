@@ -13,9 +13,12 @@ import podgate
 from podgate.aio.loop import run
 from podgate.cli.demo import write_kubeconfig
 from podgate.cli.logs import setup_logging
-from podgate.node.kubeapi import KubeApi
+from podgate.node.cri_client import CriClient, CriPodSource
+from podgate.node.gateway import GatewayConfig
+from podgate.node.server import running_gateway
+from podgate.node.upstream import CriTarget
 from podgate.runtime.daemon import RuntimeConfig, running_runtime, wait_for_signal
-from podgate.runtime.pods import RuntimePodSource, ensure_example, load_example
+from podgate.runtime.pods import ensure_example, load_example
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +36,12 @@ def default_examples() -> str:
     show_default=True,
     help="Where pods, containers, logs, sockets and the kubeconfig are kept.",
 )
-@click.option("--port", default=6443, show_default=True, help="Loopback port of the API.")
+@click.option("--port", default=6443, show_default=True, help="Loopback port of the API; 0 = any.")
+@click.option(
+    "--plain-http",
+    is_flag=True,
+    help="Serve the API over plain HTTP without authentication (loopback only).",
+)
 @click.option(
     "--examples",
     default=default_examples,
@@ -46,13 +54,20 @@ def default_examples() -> str:
 )
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
 def up(
-    state_dir: str, port: int, examples: str, keep_pods: bool, log_format: str, verbose: bool
+    state_dir: str,
+    port: int,
+    plain_http: bool,
+    examples: str,
+    keep_pods: bool,
+    log_format: str,
+    verbose: bool,
 ) -> None:
-    """Start podgate on this machine: the pod runtime with sample pods, and a Kubernetes API
-    on loopback for kubectl.
+    """Start podgate on this machine: the pod runtime with sample pods, and the node gateway
+    (HTTPS, client certificates and tokens, policy, audit) for kubectl on loopback.
 
-    Prints `podgate ready ...` once everything serves, then commands to try. SIGTERM or
-    Ctrl-C stops it and removes the sample pods (unless --keep-pods).
+    Prints `podgate ready ...` once everything serves, then commands to try. Admin
+    kubeconfigs are written to STATE_DIR/node/kubeconfig (certificate) and kubeconfig-token.
+    SIGTERM or Ctrl-C stops it and removes the sample pods (unless --keep-pods).
     """
     setup_logging(log_format, verbose)
     if os.geteuid() != 0:
@@ -64,37 +79,48 @@ def up(
                 samples.append(load_example(path))
             except ValueError as exc:
                 raise click.ClickException(str(exc)) from exc
-    run(_up(state_dir, port, samples, keep_pods))
+    run(_up(state_dir, port, plain_http, samples, keep_pods))
 
 
-async def _up(state_dir: str, port: int, samples: list[dict[str, object]], keep: bool) -> None:
+async def _up(
+    state_dir: str, port: int, plain_http: bool, samples: list[dict[str, object]], keep: bool
+) -> None:
     config = RuntimeConfig(state_dir=state_dir)
     async with running_runtime(config) as running:
         pod_ids = [await ensure_example(running.runtime, s) for s in samples]
-        source = RuntimePodSource(running.runtime, running.target, node=os.uname().nodename)
-        server = await KubeApi(source).serve("127.0.0.1", port)
-        bound = server.sockets[0].getsockname()[1]
-        kubeconfig = str(Path(state_dir) / "kubeconfig")
-        write_kubeconfig(kubeconfig, "127.0.0.1", bound)
-        print(
-            f"podgate ready api=http://127.0.0.1:{bound} kubeconfig={kubeconfig} "
-            f"cri=unix://{running.cri_socket}",
-            flush=True,
-        )
-        print(
-            "\nTry:\n"
-            f"  export KUBECONFIG={kubeconfig}\n"
-            "  kubectl get pods -o wide\n"
-            "  kubectl exec hello -- hostname\n"
-            "  kubectl port-forward pod/hello 8080:8080 &  curl -s 127.0.0.1:8080\n"
-            "  kubectl attach -it shell\n",
-            flush=True,
+        client = CriClient(running.cri_socket)
+        target = CriTarget(client)
+        source = CriPodSource(client, target, node=os.uname().nodename)
+        node_dir = str(Path(state_dir) / "node")
+        gateway_config = GatewayConfig(
+            state_dir=node_dir, cri_socket=running.cri_socket, port=port, plain_http=plain_http
         )
         try:
-            await wait_for_signal()
+            async with running_gateway(gateway_config, source) as gateway:
+                if gateway.credentials is not None:
+                    kubeconfig = str(gateway.credentials.kubeconfig)
+                else:
+                    kubeconfig = str(Path(node_dir) / "kubeconfig")
+                    write_kubeconfig(kubeconfig, "127.0.0.1", gateway.port)
+                print(
+                    f"podgate ready api={gateway.url} kubeconfig={kubeconfig} "
+                    f"cri=unix://{running.cri_socket}",
+                    flush=True,
+                )
+                print(
+                    "\nTry:\n"
+                    f"  export KUBECONFIG={kubeconfig}\n"
+                    "  kubectl get pods -o wide\n"
+                    "  kubectl exec hello -- hostname\n"
+                    "  kubectl logs hello\n"
+                    "  kubectl port-forward pod/hello 8080:8080 &  curl -s 127.0.0.1:8080\n"
+                    "  kubectl attach -it shell\n",
+                    flush=True,
+                )
+                await wait_for_signal()
         finally:
-            server.close()
-            await server.wait_closed()
+            await target.aclose()
+            await client.close()
             if not keep:
                 for pod_id in pod_ids:
                     await asyncio.shield(running.runtime.remove_pod(pod_id))

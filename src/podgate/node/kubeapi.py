@@ -419,7 +419,8 @@ class KubeApi:
             what = StreamRequest(kind, pod.ref, container=container)
             await serve_stream(conn, handshake, request, what, self.source.target)
             return True
-        admitted = self.guard.admit(who, kind.name.lower(), pod, container, request)
+        name = next((c.name for c in pod.containers if c.id == container), container)
+        admitted = self.guard.admit(who, kind.name.lower(), pod, name, request)
         if isinstance(admitted, str):
             await self._send_status(conn, handshake, 429, "TooManyRequests", admitted)
             return handshake.must_close

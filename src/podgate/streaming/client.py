@@ -227,7 +227,10 @@ async def _pump_out(src: ByteStream, dst: ByteStream | None) -> None:
     with contextlib.suppress(StreamError):
         while chunk := await src.receive():
             if dst is not None:
-                await dst.send(chunk)
+                try:
+                    await dst.send(chunk)
+                except StreamError:
+                    dst = None  # keep draining: the exit status comes after the output
 
 
 async def _pump_resizes(sizes: AsyncIterator[rc.TerminalSize], dst: ByteStream) -> None:

@@ -8,7 +8,7 @@ import logging
 import time
 from collections.abc import Coroutine, Sequence
 
-from podgate.aio.errors import StreamError
+from podgate.aio.errors import ForwardError, StreamError, StreamResetError
 from podgate.aio.spdy import SpdySession, SpdyStream
 from podgate.aio.splice import splice
 from podgate.aio.wschannel import ChannelSession
@@ -127,11 +127,13 @@ class SpdyPortForwardServer:
             return
         result = await splice(data, self.hooks.wrap(upstream))
         record.bytes_in, record.bytes_out = result.a_to_b, result.b_to_a
-        forwarded = getattr(result.error, "forward_message", None)
-        if isinstance(forwarded, str) and forwarded:
+        if isinstance(result.error, ForwardError):
             # The runtime behind us explained the failure: pass its words on.
-            record.outcome, record.reason = "error", forwarded
-            await self._fail(error, data, forwarded)
+            record.outcome, record.reason = "error", str(result.error)
+            await self._fail(error, data, str(result.error))
+        elif isinstance(result.error, StreamResetError) and data.fin_sent:
+            # kubectl 1.32+ resets the data stream once it has read our FIN: a normal end.
+            error.reset()
         elif result.error is not None:
             log.debug("port-forward %s:%d ended: %s", self.pod, pair.port, result.error)
             record.outcome, record.reason = "error", str(result.error)

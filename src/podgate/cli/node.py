@@ -1,0 +1,153 @@
+"""`podgate node`: the authenticated gateway in front of a CRI runtime."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import click
+
+from podgate.aio.loop import run
+from podgate.cli.logs import setup_logging
+from podgate.node.cri_client import CriClient, CriPodSource
+from podgate.node.gateway import GatewayConfig, Limits
+from podgate.node.server import InsecureListenError, running_gateway
+from podgate.node.upstream import CriTarget
+from podgate.runtime.daemon import DEFAULT_STATE_DIR, wait_for_signal
+
+
+def gateway_options(f: click.decorators.FC) -> click.decorators.FC:
+    for option in reversed(
+        [
+            click.option(
+                "--address",
+                default="127.0.0.1",
+                show_default=True,
+                help="Address of the HTTPS API.",
+            ),
+            click.option("--port", default=6443, show_default=True, help="Port; 0 = any."),
+            click.option(
+                "--token-file",
+                default="",
+                help='Static bearer tokens: token,user,uid,"group1,group2" '
+                "[default: STATE_DIR/tokens.csv, made on first start].",
+            ),
+            click.option(
+                "--policy-file",
+                default="",
+                help="Authorization rules (TOML) [default: STATE_DIR/policy.toml: "
+                "the admin group may do everything].",
+            ),
+            click.option(
+                "--audit-log",
+                default="",
+                help="JSON-lines audit log [default: STATE_DIR/audit.log].",
+            ),
+            click.option(
+                "--metrics-port",
+                default=0,
+                show_default=True,
+                help="Prometheus metrics on 127.0.0.1:PORT; 0 = off.",
+            ),
+            click.option(
+                "--max-bytes-per-sec",
+                type=float,
+                default=None,
+                help="Rate limit of each stream, each way (default: none).",
+            ),
+            click.option("--max-streams-per-user", default=64, show_default=True),
+            click.option("--max-streams-per-pod", default=128, show_default=True),
+            click.option(
+                "--plain-http",
+                is_flag=True,
+                help="Serve plain HTTP without authentication (loopback only).",
+            ),
+        ]
+    ):
+        f = option(f)
+    return f
+
+
+def make_config(
+    state_dir: str,
+    cri_socket: str,
+    *,
+    address: str,
+    port: int,
+    token_file: str,
+    policy_file: str,
+    audit_log: str,
+    metrics_port: int,
+    max_bytes_per_sec: float | None,
+    max_streams_per_user: int,
+    max_streams_per_pod: int,
+    plain_http: bool,
+) -> GatewayConfig:
+    return GatewayConfig(
+        state_dir=state_dir,
+        cri_socket=cri_socket,
+        host=address,
+        port=port,
+        token_file=token_file,
+        policy_file=policy_file,
+        audit_log=audit_log,
+        metrics_port=metrics_port,
+        limits=Limits(max_streams_per_user, max_streams_per_pod, max_bytes_per_sec),
+        plain_http=plain_http,
+    )
+
+
+@click.command()
+@click.option(
+    "--state-dir",
+    default=str(Path(DEFAULT_STATE_DIR) / "node"),
+    show_default=True,
+    help="Certificates, tokens, policy, audit log and kubeconfigs.",
+)
+@click.option(
+    "--cri-socket",
+    default=str(Path(DEFAULT_STATE_DIR) / "cri.sock"),
+    show_default=True,
+    help="CRI socket of the runtime (podgate's, containerd's "
+    "/run/containerd/containerd.sock, CRI-O's /var/run/crio/crio.sock).",
+)
+@gateway_options
+@click.option(
+    "--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True
+)
+@click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
+def node(state_dir: str, cri_socket: str, log_format: str, verbose: bool, **kw: Any) -> None:
+    """Serve kubectl's exec, attach, port-forward, logs and pod listing for this node, in
+    front of any CRI runtime, over HTTPS with client certificates or bearer tokens, an
+    authorization policy and an audit log.
+
+    On first start it makes a CA, server and admin certificates, an admin token, a default
+    policy and admin kubeconfigs under STATE_DIR (`kubeconfig`: certificate,
+    `kubeconfig-token`: token).
+    """
+    setup_logging(log_format, verbose)
+    config = make_config(state_dir, cri_socket, **kw)
+    try:
+        run(_node(config))
+    except InsecureListenError as exc:
+        raise click.UsageError(str(exc)) from exc
+
+
+async def _node(config: GatewayConfig) -> None:
+    client = CriClient(config.cri_socket)
+    target = CriTarget(client)
+    source = CriPodSource(client, target, node=os.uname().nodename)
+    try:
+        version = await client.version()
+        async with running_gateway(config, source) as gateway:
+            print(
+                f"podgate node ready api={gateway.url} runtime={version.runtime_name} "
+                f"{version.runtime_version} kubeconfig="
+                f"{gateway.credentials.kubeconfig if gateway.credentials else '-'}",
+                flush=True,
+            )
+            await wait_for_signal()
+    finally:
+        await target.aclose()
+        await client.close()

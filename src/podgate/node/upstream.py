@@ -1,0 +1,345 @@
+"""The node gateway's StreamTarget for any CRI runtime: it asks the runtime for a one-time
+streaming URL and connects to it as a SPDY client, as the API server's StreamTranslator does.
+
+Exec and attach use one upstream connection each. Port-forward keeps one upstream SPDY session
+per pod sandbox and opens a stream pair on it for every forwarded connection; a connection the
+runtime cannot make is reported by the runtime itself on the pair's error stream, and that text
+is handed on unchanged (UpstreamForwardError).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import ssl
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from podgate.aio.errors import ForwardError, StreamError, StreamResetError
+from podgate.aio.streams import DEFAULT_RECEIVE_BYTES, Buffer, ByteStream
+from podgate.node.cri_client import CriClient, CriError
+from podgate.proto.errors import ProtocolError
+from podgate.streaming.client import (
+    ExecResult,
+    ForwardedStream,
+    PortForwardSession,
+    UpgradeError,
+    endpoint_from_url,
+    exec_spdy,
+)
+from podgate.streaming.target import ExecIO, PodRef, TargetError
+
+log = logging.getLogger(__name__)
+
+# An upstream port-forward session with no forwarded connection for this long is closed.
+PORTFORWARD_IDLE_SECONDS = 60.0
+# After the runtime resets a forwarded stream, how long its error text may take to arrive.
+ERROR_TEXT_WAIT_SECONDS = 1.0
+# Most error text kept from one pair's error stream (the runtime's is one line).
+ERROR_TEXT_MAX_BYTES = 64 * 1024
+# apimachinery's NewInternalError prefix; the gateway's own Status adds it again.
+_INTERNAL_ERROR_PREFIX = "Internal error occurred: "
+
+
+class UpstreamForwardError(ForwardError):
+    """The runtime could not forward the connection; the message is its own error text
+    (e.g. `error forwarding port 9999 to pod …`), which the port-forward server relays to the
+    client as is."""
+
+
+def _failure(result: ExecResult) -> str | None:
+    """The error of an exec that could not run (as opposed to one that exited non-zero)."""
+    # client-go's text for a non-zero exit, as k8s.decode_exec_status gives it.
+    if (
+        result.error is None
+        or result.error == f"command terminated with exit code {result.exit_code}"
+    ):
+        return None
+    message = result.error
+    if message.startswith(_INTERNAL_ERROR_PREFIX):
+        message = message[len(_INTERNAL_ERROR_PREFIX) :]
+    return message
+
+
+class CriTarget:
+    """StreamTarget over a CRI runtime's streaming server."""
+
+    def __init__(
+        self,
+        client: CriClient,
+        *,
+        ssl_context: ssl.SSLContext | None = None,
+        idle_seconds: float = PORTFORWARD_IDLE_SECONDS,
+    ) -> None:
+        self.client = client
+        self.ssl_context = ssl_context
+        self.idle_seconds = idle_seconds
+        self._sessions: dict[str, _PooledSession] = {}
+        self._connecting: dict[str, asyncio.Task[_PooledSession]] = {}
+        self._closing: set[asyncio.Task[None]] = set()
+
+    # -- exec / attach
+
+    async def exec(
+        self, pod: PodRef, container: str | None, command: Sequence[str], io: ExecIO
+    ) -> int:
+        container_id = _require(container)
+        try:
+            url = await self.client.exec_url(container_id, command, **_stdio(io))
+        except CriError as exc:
+            raise TargetError(str(exc)) from exc
+        return await self._run(url, io)
+
+    async def attach(self, pod: PodRef, container: str | None, io: ExecIO) -> int:
+        container_id = _require(container)
+        try:
+            url = await self.client.attach_url(container_id, **_stdio(io))
+        except CriError as exc:
+            raise TargetError(str(exc)) from exc
+        return await self._run(url, io)
+
+    async def _run(self, url: str, io: ExecIO) -> int:
+        try:
+            endpoint, path = endpoint_from_url(url, ssl_context=self.ssl_context)
+            result = await exec_spdy(
+                endpoint,
+                path,
+                stdin=io.stdin,
+                stdout=io.stdout,
+                stderr=io.stderr,
+                tty=io.tty,
+                resizes=io.resizes,
+                want_stdin=io.stdin is not None,
+            )
+        except UpgradeError as exc:
+            raise TargetError(f"error connecting to the runtime's streaming server: {exc}") from exc
+        except (StreamError, ProtocolError, ValueError) as exc:
+            raise TargetError(f"error streaming from the runtime: {exc}") from exc
+        message = _failure(result)
+        if message is not None:
+            raise TargetError(message)
+        return result.exit_code
+
+    # -- port-forward
+
+    async def open_port(self, pod: PodRef, port: int) -> ByteStream:
+        if not pod.sandbox_id:
+            raise TargetError(f"pod {pod} has no sandbox")
+        while True:
+            entry, reused = await self._session(pod.sandbox_id)
+            try:
+                forwarded = await entry.session.open(port)
+            except StreamError as exc:
+                if entry.usable and isinstance(exc, StreamResetError):
+                    # The runtime refused this pair alone; the session is fine.
+                    raise TargetError(f"the runtime refused the stream: {exc}") from exc
+                self._drop(entry)
+                if reused:
+                    continue  # it broke while pooled: one try on a fresh one
+                raise TargetError(f"error forwarding through the runtime: {exc}") from exc
+            entry.acquire()
+            return UpstreamStream(forwarded, port, entry.release)
+
+    async def _session(self, sandbox_id: str) -> tuple[_PooledSession, bool]:
+        entry = self._sessions.get(sandbox_id)
+        if entry is not None:
+            if entry.usable:
+                return entry, True
+            self._drop(entry)
+        task = self._connecting.get(sandbox_id)
+        if task is None:
+            task = asyncio.create_task(self._connect(sandbox_id), name=f"pf connect {sandbox_id}")
+            self._connecting[sandbox_id] = task
+            task.add_done_callback(lambda t: self._connected(sandbox_id, t))
+        # Shielded: one caller giving up does not abort the others' connection.
+        return await asyncio.shield(task), False
+
+    async def _connect(self, sandbox_id: str) -> _PooledSession:
+        try:
+            url = await self.client.port_forward_url(sandbox_id)
+            endpoint, path = endpoint_from_url(url, ssl_context=self.ssl_context)
+            session = await PortForwardSession.connect(endpoint, path)
+        except CriError as exc:
+            raise TargetError(str(exc)) from exc
+        except UpgradeError as exc:
+            raise TargetError(f"error connecting to the runtime's streaming server: {exc}") from exc
+        except (StreamError, ProtocolError, ValueError) as exc:
+            raise TargetError(f"error connecting to the runtime's streaming server: {exc}") from exc
+        entry = _PooledSession(sandbox_id, session)
+        self._sessions[sandbox_id] = entry
+        entry.on_idle = self._expire
+        entry.schedule_idle(self.idle_seconds)
+        return entry
+
+    def _connected(self, sandbox_id: str, task: asyncio.Task[_PooledSession]) -> None:
+        if self._connecting.get(sandbox_id) is task:
+            del self._connecting[sandbox_id]
+        if not task.cancelled():
+            task.exception()  # retrieved here too, in case every caller was cancelled
+
+    def _expire(self, entry: _PooledSession) -> None:
+        if entry.active == 0:
+            log.debug("port-forward session for %s idle, closing", entry.sandbox_id)
+            self._drop(entry)
+
+    def _drop(self, entry: _PooledSession) -> None:
+        if self._sessions.get(entry.sandbox_id) is entry:
+            del self._sessions[entry.sandbox_id]
+        if entry.closed:
+            return
+        entry.closed = True
+        entry.cancel_idle()
+        task = asyncio.create_task(entry.session.aclose(), name=f"pf close {entry.sandbox_id}")
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    @property
+    def pooled_sessions(self) -> dict[str, PortForwardSession]:
+        """The upstream session of each sandbox (for status pages and tests)."""
+        return {sid: entry.session for sid, entry in self._sessions.items()}
+
+    async def aclose(self) -> None:
+        """Close every pooled upstream session."""
+        connecting = list(self._connecting.values())
+        for task in connecting:
+            task.cancel()
+        await asyncio.gather(*connecting, return_exceptions=True)
+        for entry in list(self._sessions.values()):
+            self._drop(entry)
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
+
+
+@dataclass(eq=False, slots=True)
+class _PooledSession:
+    sandbox_id: str
+    session: PortForwardSession
+    active: int = 0
+    closed: bool = False
+    on_idle: Callable[[_PooledSession], None] | None = None
+    _idle: asyncio.TimerHandle | None = field(default=None, repr=False)
+    _idle_seconds: float = 0.0
+
+    @property
+    def usable(self) -> bool:
+        spdy = self.session.session
+        return not self.closed and spdy.broken is None and not spdy.goaway_received
+
+    def acquire(self) -> None:
+        self.active += 1
+        self.cancel_idle()
+
+    def release(self) -> None:
+        self.active -= 1
+        if self.active == 0 and not self.closed:
+            self.schedule_idle(self._idle_seconds)
+
+    def schedule_idle(self, seconds: float) -> None:
+        self._idle_seconds = seconds
+        self.cancel_idle()
+        if self.on_idle is not None:
+            self._idle = asyncio.get_running_loop().call_later(seconds, self.on_idle, self)
+
+    def cancel_idle(self) -> None:
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
+
+
+class UpstreamStream(ByteStream):
+    """A forwarded connection's data stream; when the runtime ends it with error text, that
+    text is raised as UpstreamForwardError."""
+
+    def __init__(self, forwarded: ForwardedStream, port: int, on_close: Callable[[], None]) -> None:
+        self.port = port
+        self._data = forwarded.data
+        self._error_stream = forwarded.error_stream
+        self._error_text = bytearray()
+        self._on_close: Callable[[], None] | None = on_close
+        # Read from the start, as client-go does: the runtime may write it at any time.
+        self._error_reader = asyncio.create_task(self._read_error(), name=f"pf {port} error")
+
+    @property
+    def error_text(self) -> str:
+        return self._error_text.decode(errors="replace")
+
+    async def _read_error(self) -> None:
+        with contextlib.suppress(StreamError):
+            while chunk := await self._error_stream.receive():
+                room = ERROR_TEXT_MAX_BYTES - len(self._error_text)
+                self._error_text += chunk[: max(room, 0)]
+
+    async def _upstream_error(self, *, wait: bool) -> UpstreamForwardError | None:
+        if wait:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._error_reader), ERROR_TEXT_WAIT_SECONDS)
+        else:
+            # Text sent before the data stream's end is already queued: let the reader take it.
+            await asyncio.sleep(0)
+        if self._error_text:
+            return UpstreamForwardError(self.error_text)
+        return None
+
+    async def receive(self, max_bytes: int = DEFAULT_RECEIVE_BYTES) -> bytes:
+        try:
+            chunk = await self._data.receive(max_bytes)
+        except StreamResetError as exc:
+            error = await self._upstream_error(wait=True)
+            if error is None:
+                raise
+            raise error from exc
+        if not chunk:
+            # A kubelet-style server ends a failed pair with FIN, not RST, after the text.
+            error = await self._upstream_error(wait=False)
+            if error is not None:
+                raise error
+        return chunk
+
+    async def send(self, data: Buffer) -> None:
+        try:
+            await self._data.send(data)
+        except StreamResetError as exc:
+            error = await self._upstream_error(wait=True)
+            if error is None:
+                raise
+            raise error from exc
+
+    async def send_eof(self) -> None:
+        await self._data.send_eof()
+
+    async def aclose(self) -> None:
+        await self._data.aclose()
+        await self._error_stream.aclose()
+        self._error_reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._error_reader
+        if self._on_close is not None:
+            on_close, self._on_close = self._on_close, None
+            on_close()
+
+
+def _require(container: str | None) -> str:
+    if not container:
+        raise TargetError("no container given")
+    return container
+
+
+def _stdio(io: ExecIO) -> dict[str, bool]:
+    """CRI's stdio flags for the client's streams (CRI forbids stderr with a tty)."""
+    return {
+        "tty": io.tty,
+        "stdin": io.stdin is not None,
+        "stdout": io.stdout is not None,
+        "stderr": io.stderr is not None and not io.tty,
+    }
+
+
+__all__ = [
+    "ERROR_TEXT_MAX_BYTES",
+    "ERROR_TEXT_WAIT_SECONDS",
+    "PORTFORWARD_IDLE_SECONDS",
+    "CriTarget",
+    "UpstreamForwardError",
+    "UpstreamStream",
+]

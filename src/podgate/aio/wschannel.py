@@ -22,6 +22,8 @@ from podgate.proto.wschannel import (
 
 log = logging.getLogger(__name__)
 
+# The exec/attach channels are 0–4; upstream drops messages for any other.
+FIRST_UNKNOWN_CHANNEL = 5
 # Received bytes one channel may hold unread before the connection stops reading.
 MAX_QUEUED_BYTES_PER_CHANNEL = 2 * 1024 * 1024
 # Largest payload put in one outgoing WebSocket message.
@@ -103,10 +105,20 @@ class ChannelStream(ByteStream):
 class ChannelSession:
     """Runs a ChannelConnection over a socket; channels are ByteStreams."""
 
-    def __init__(self, wire: SocketStream, core: ChannelConnection, *, name: str = "ws") -> None:
+    def __init__(
+        self,
+        wire: SocketStream,
+        core: ChannelConnection,
+        *,
+        name: str = "ws",
+        inbound: Iterable[int] | None = None,
+    ) -> None:
         self._wire = wire
         self._core = core
         self._channels: dict[int, ChannelStream] = {}
+        # Channels the peer may send on. Data for others is dropped, as upstream does: a
+        # channel nobody reads must not stall the ones that are read.
+        self._inbound = set(inbound) if inbound is not None else None
         self.name = name
         self.close_code: int | None = None
         self.broken: BrokenStreamError | None = None
@@ -120,7 +132,16 @@ class ChannelSession:
         stream = self._channels.get(channel)
         if stream is None:
             stream = self._channels[channel] = ChannelStream(self, channel)
+            if self.done.is_set():
+                stream._end()  # looked up after the connection ended: EOF at once
         return stream
+
+    def _accepts(self, channel: int) -> bool:
+        if self._inbound is not None:
+            return channel in self._inbound
+        if self._core.port_channels is not None:
+            return True  # the core already keeps only this session's port channels
+        return channel < FIRST_UNKNOWN_CHANNEL
 
     async def run(self) -> None:
         try:
@@ -134,7 +155,7 @@ class ChannelSession:
                     break
                 for event in events:
                     if isinstance(event, ChannelData):
-                        if event.data:
+                        if event.data and self._accepts(event.channel):
                             await self.stream(event.channel)._feed(event.data)
                     elif isinstance(event, ChannelClosed):
                         self.stream(event.channel)._end()
@@ -154,7 +175,7 @@ class ChannelSession:
         if self.broken is not None:
             raise self.broken
         try:
-            self._core.send(channel, bytes(data))
+            self._core.send(channel, data)
         except ProtocolError as exc:  # the WebSocket is closing or closed
             raise ClosedStreamError(f"websocket closed: {exc}") from exc
         self._flush()
@@ -176,10 +197,10 @@ class ChannelSession:
         await self._wire.drain()
 
     def _flush(self) -> None:
-        out = self._core.data_to_send()
+        out = self._core.buffers_to_send()
         if out and self.broken is None:
             try:
-                self._wire.write(out)
+                self._wire.writelines(out)
             except StreamError as exc:
                 self.broken = BrokenStreamError(str(exc))
 
@@ -205,13 +226,13 @@ class TunnelWire:
         self._closed = False
 
     def write(self, data: Buffer) -> None:
-        self._core.send(bytes(data))
-        self._wire.write(self._core.data_to_send())
+        self._core.send(data)
+        self._wire.writelines(self._core.buffers_to_send())
 
     def writelines(self, data: Iterable[Buffer]) -> None:
         # One message per batch: message boundaries mean nothing inside the tunnel.
-        self._core.send(b"".join(data))
-        self._wire.write(self._core.data_to_send())
+        self._core.send_buffers(data)
+        self._wire.writelines(self._core.buffers_to_send())
 
     async def drain(self) -> None:
         await self._wire.drain()
@@ -223,13 +244,13 @@ class TunnelWire:
                 events = self._core.receive_data(data if data else None)
             except ProtocolError as exc:
                 raise BrokenStreamError(f"websocket tunnel: {exc}") from exc
-            out = self._core.data_to_send()
+            out = self._core.buffers_to_send()
             if out:
                 with contextlib.suppress(StreamError):
-                    self._wire.write(out)
-            payload = b"".join(e.data for e in events if isinstance(e, TunnelData))
-            if payload:
-                return payload
+                    self._wire.writelines(out)
+            pieces = [e.data for e in events if type(e) is TunnelData]
+            if pieces:
+                return pieces[0] if len(pieces) == 1 else b"".join(pieces)
             if not data or any(isinstance(e, CloseReceived) for e in events):
                 return b""
 
@@ -239,6 +260,6 @@ class TunnelWire:
         self._closed = True
         with contextlib.suppress(ProtocolError, StreamError):
             self._core.close(1000)
-            self._wire.write(self._core.data_to_send())
+            self._wire.writelines(self._core.buffers_to_send())
             await self._wire.drain()
         await self._wire.aclose()

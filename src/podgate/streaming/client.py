@@ -314,7 +314,9 @@ async def exec_websocket(
 ) -> ExecResult:
     """Run an exec/attach over the WebSocket channel protocol (kubectl's v5 by default)."""
     conn, protocol = await connect_websocket(endpoint, path, protocols)
-    channels = ChannelSession(conn, ChannelConnection(WsRole.CLIENT, protocol), name="ws exec")
+    channels = ChannelSession(
+        conn, ChannelConnection(WsRole.CLIENT, protocol), name="ws exec", inbound={1, 2, 3}
+    )
     reader = asyncio.create_task(channels.run(), name="ws exec client read loop")
     helpers: list[asyncio.Task[None]] = []
     try:

@@ -131,7 +131,16 @@ async def serve_stream(
         session.on_stream = server.on_stream
         await server.serve(session)
         return None
-    channels = ChannelSession(conn, ChannelConnection(WsRole.SERVER, decision.protocol), name=label)
+    if what.kind is StreamKind.PORTFORWARD:
+        inbound = {2 * i for i in range(len(ports))}  # data channels; errors are ours alone
+    else:
+        assert options is not None
+        inbound = {0} if options.stdin else set()
+        if options.tty:
+            inbound.add(4)
+    channels = ChannelSession(
+        conn, ChannelConnection(WsRole.SERVER, decision.protocol), name=label, inbound=inbound
+    )
     if what.kind is StreamKind.PORTFORWARD:
         reader = asyncio.create_task(channels.run(), name=f"{label} read loop")
         try:

@@ -338,3 +338,189 @@ def test_data_after_close_handshake_is_remote_error() -> None:
     pump(cli, srv)
     with pytest.raises(RemoteProtocolError):
         srv.receive_data(masked(BINARY, b"\x00late"))
+
+
+# --- framing rules (RFC 6455 5.2, 5.4, 5.5, 7.4) ----------------------------------------------
+
+
+def test_rfc_256_byte_and_64_kib_frames() -> None:
+    # RFC 6455 5.7: 256 bytes and 64 KiB of binary data, each in one unmasked frame; under a
+    # binary channel protocol the first byte is the channel.
+    for size, head in ((256, "827e0100"), (65536, "827f0000000000010000")):
+        body = bytes([2]) + bytes(range(256)) * (size // 256 - 1) + bytes(255)
+        wire = bytes.fromhex(head) + body
+        assert len(body) == size
+        expected = [ChannelData(2, body[1:])]
+        assert client("v4.channel.k8s.io").receive_data(wire) == expected
+        # The same bytes fed one header byte at a time, then in uneven pieces.
+        cli = client("v4.channel.k8s.io")
+        events: list[Event] = []
+        for i in range(len(head) // 2):
+            events += cli.receive_data(wire[i : i + 1])
+        rest = wire[len(head) // 2 :]
+        for start in range(0, len(rest), 1000):
+            events += cli.receive_data(rest[start : start + 1000])
+        assert events == expected
+
+
+@pytest.mark.parametrize(
+    "wire",
+    [
+        bytes.fromhex("827e007d") + bytes(125),  # 16-bit length for a 7-bit size
+        bytes.fromhex("827f000000000000ffff") + bytes(65535),  # 64-bit for a 16-bit size
+        bytes.fromhex("827f8000000000000000"),  # 64-bit length with the top bit set
+        bytes.fromhex("c201") + b"\x01",  # RSV1 without an extension
+        bytes.fromhex("a201") + b"\x01",  # RSV2
+        bytes.fromhex("9201") + b"\x01",  # RSV3
+        bytes.fromhex("8301") + b"\x01",  # reserved data opcode
+        bytes.fromhex("8b00"),  # reserved control opcode
+        bytes.fromhex("0900"),  # fragmented ping
+        bytes.fromhex("897e007e") + bytes(126),  # ping over 125 bytes
+        bytes.fromhex("8001") + b"\x01",  # continuation with no message to continue
+        bytes.fromhex("0201") + b"\x01" + bytes.fromhex("8201") + b"\x01",  # new message early
+        bytes.fromhex("828137fa213d") + b"\x01",  # masked frame from a server
+        bytes.fromhex("8801") + b"\x03",  # close payload of 1 byte
+    ],
+)
+def test_framing_errors_close_with_1002(wire: bytes) -> None:
+    cli = client("v4.channel.k8s.io")
+    with pytest.raises(WebSocketError) as info:
+        cli.receive_data(wire)
+    assert info.value.close_code == CloseCode.PROTOCOL_ERROR
+    assert cli.state is EndpointState.FAILED
+    frames = parse_frames(cli.data_to_send())
+    assert [(fin, op, body[:2]) for fin, op, body in frames] == [
+        (True, CLOSE_OP, close_payload(1002))
+    ]
+
+
+@pytest.mark.parametrize("code", [0, 999, 1004, 1005, 1006, 1014, 1015, 1016, 2999, 5000, 65535])
+def test_close_codes_a_peer_may_not_send(code: int) -> None:
+    with pytest.raises(WebSocketError) as info:
+        server().receive_data(masked(CLOSE_OP, close_payload(code)))
+    assert info.value.close_code == CloseCode.PROTOCOL_ERROR
+
+
+@pytest.mark.parametrize(
+    "code", [1000, 1001, 1002, 1003, 1007, 1008, 1009, 1010, 1011, 1013, 3000, 4999]
+)
+def test_close_codes_a_peer_may_send_are_echoed(code: int) -> None:
+    srv = server()
+    assert srv.receive_data(masked(CLOSE_OP, close_payload(code) + b"why")) == [
+        CloseReceived(code, "why")
+    ]
+    assert parse_frames(srv.data_to_send()) == [(True, CLOSE_OP, close_payload(code) + b"why")]
+    assert srv.state is EndpointState.CLOSED
+
+
+def test_close_without_code_is_1005_and_answered_empty() -> None:
+    srv = server()
+    assert srv.receive_data(masked(CLOSE_OP, b"")) == [CloseReceived(1005, "")]
+    assert srv.data_to_send() == b"\x88\x00"
+
+
+def test_close_reason_must_be_utf8() -> None:
+    with pytest.raises(WebSocketError) as info:
+        server().receive_data(masked(CLOSE_OP, close_payload(1000) + b"\xff"))
+    assert info.value.close_code == CloseCode.INVALID_PAYLOAD
+
+
+def test_local_only_close_code_goes_out_as_1000() -> None:
+    srv = server()
+    srv.close(CloseCode.ABNORMAL, "x" * 300)
+    [(fin, opcode, body)] = parse_frames(srv.data_to_send())
+    assert (fin, opcode, body[:2]) == (True, CLOSE_OP, close_payload(1000))
+    assert body[2:] == b"x" * 123  # 125-byte control payload limit
+
+
+def test_bytes_after_the_close_frame_are_ignored() -> None:
+    srv = server()
+    events = srv.receive_data(masked(CLOSE_OP, close_payload(1000)) + masked(BINARY, b"\x01x"))
+    assert events == [CloseReceived(1000, "")]
+
+
+def test_ping_while_closing_is_reported_not_answered() -> None:
+    srv = server()
+    srv.close()
+    srv.data_to_send()
+    assert srv.receive_data(masked(PING, b"p") + masked(BINARY, b"\x00late")) == [
+        PingReceived(b"p"),
+        ChannelData(0, b"late"),
+    ]
+    assert srv.data_to_send() == b""
+
+
+def test_channel_byte_may_arrive_after_an_empty_fragment() -> None:
+    srv = server()
+    wire = masked(BINARY, b"", fin=False) + masked(CONT, b"\x01a", fin=False)
+    wire += masked(CONT, b"bc")
+    assert srv.receive_data(wire) == [ChannelData(1, b"abc")]
+    # Byte by byte, through every partial header and payload state.
+    srv = server()
+    events: list[Event] = []
+    for i in range(len(wire)):
+        events += srv.receive_data(wire[i : i + 1])
+    assert events == [ChannelData(1, b"abc")]
+
+
+def test_invalid_utf8_split_across_fragments_is_1007() -> None:
+    srv = server("v4.channel.k8s.io")
+    # "\xe2\x82" starts a 3-byte sequence; "(" cannot continue it.
+    assert srv.receive_data(masked(TEXT, b"\x00\xe2", fin=False)) == []
+    with pytest.raises(WebSocketError) as info:
+        srv.receive_data(masked(CONT, b"\x82("))
+    assert info.value.close_code == CloseCode.INVALID_PAYLOAD
+
+
+def test_valid_utf8_split_across_fragments_is_one_text_message() -> None:
+    srv = server("v4.channel.k8s.io")
+    euro = "€".encode()
+    wire = masked(TEXT, b"\x00" + euro[:1], fin=False) + masked(CONT, euro[1:])
+    assert srv.receive_data(wire) == [ChannelData(0, euro)]
+
+
+# --- output: masking and copies ---------------------------------------------------------------
+
+
+def test_client_frames_are_masked_with_fresh_keys() -> None:
+    cli = client()
+    cli.send(1, b"abc")
+    cli.send(1, b"abc")
+    cli.ping(b"k")
+    wire = cli.data_to_send()
+    assert parse_frames(wire) == [
+        (True, BINARY, b"\x01abc"),
+        (True, BINARY, b"\x01abc"),
+        (True, PING, b"k"),
+    ]
+    # Mask bit set, 4-byte key, then the masked channel byte and payload.
+    assert wire[1] == 0x80 | 4
+    assert wire[0:2] == wire[10:12]
+    assert wire[2:6] != wire[12:16]  # 2^-32 chance of a false failure
+
+
+def test_server_queues_immutable_payloads_without_copying() -> None:
+    srv = server()
+    data = bytes(range(256)) * 64
+    srv.send(1, data)
+    head, body = srv.buffers_to_send()
+    assert head == b"\x82\x7e\x40\x01\x01"  # 16-bit length 16385 = channel byte + 16 KiB
+    assert body is data or (isinstance(body, memoryview) and body.obj is data)
+    assert bytes(body) == data
+
+
+def test_mutable_payloads_are_copied_before_queueing() -> None:
+    srv = server()
+    data = bytearray(b"x" * 1000)
+    srv.send(1, data)
+    srv.send(1, memoryview(data)[:600])
+    data[:] = b"y" * 1000
+    frames = parse_frames(srv.data_to_send())
+    assert frames == [(True, BINARY, b"\x01" + b"x" * 1000), (True, BINARY, b"\x01" + b"x" * 600)]
+
+
+def test_send_rejects_channels_out_of_range() -> None:
+    with pytest.raises(LocalProtocolError):
+        server("v4.channel.k8s.io").send(256, b"x")
+    with pytest.raises(LocalProtocolError):
+        server("base64.channel.k8s.io").send(80, b"x")

@@ -87,3 +87,33 @@ def test_pair_with_ping_and_close() -> None:
         CloseReceived(1000, ""),
     ]
     assert srv.receive_data(cli.data_to_send()) == [CloseReceived(1000, "")]
+
+
+def test_send_buffers_is_one_message_of_their_concatenation() -> None:
+    srv = TunnelConnection(Role.SERVER)
+    body = bytes(range(256)) * 4
+    srv.send_buffers([SYN_STREAM[:8], b"", memoryview(body), bytearray(b"tail")])
+    srv.send_buffers([b"", b""])  # nothing at all
+    buffers = srv.buffers_to_send()
+    assert buffers[0] == b"\x82\x7e" + (8 + 1024 + 4).to_bytes(2, "big")
+    assert b"".join(buffers[1:]) == SYN_STREAM[:8] + body + b"tail"
+    cli = TunnelConnection(Role.CLIENT)
+    cli.send_buffers([b"ab", b"c", memoryview(b"defgh")])
+    cli.send(bytearray(b"ij"))
+    events = TunnelConnection(Role.SERVER).receive_data(cli.data_to_send())
+    assert events == [TunnelData(b"abcdefgh"), TunnelData(b"ij")]
+
+
+def test_large_masked_message_in_uneven_pieces() -> None:
+    cli = TunnelConnection(Role.CLIENT)
+    data = bytes(range(251)) * 400  # 100400 bytes: a 64-bit length
+    cli.send(data)
+    wire = cli.data_to_send()
+    assert wire[1] == 0x80 | 127
+    srv = TunnelConnection(Role.SERVER)
+    got = b""
+    for start in range(0, len(wire), 777):
+        for event in srv.receive_data(wire[start : start + 777]):
+            assert isinstance(event, TunnelData)
+            got += event.data
+    assert got == data

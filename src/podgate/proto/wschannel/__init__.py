@@ -1,4 +1,5 @@
-"""Kubernetes WebSocket channel protocols and the SPDY tunnel, sans-IO, on wsproto framing."""
+"""Kubernetes WebSocket channel protocols and the SPDY tunnel, sans-IO, on podgate's own
+RFC 6455 framing with websockets' C masking (see `endpoint.py`)."""
 
 from podgate.proto.wschannel.codec import (
     CLOSE,

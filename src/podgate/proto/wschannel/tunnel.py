@@ -7,10 +7,16 @@ sends empty ones), so payloads are passed on as they arrive, without reassembly
 
 from __future__ import annotations
 
-from wsproto.events import BytesMessage, TextMessage
+from collections.abc import Iterable
 
 from podgate.proto.upgrade import TUNNEL_PROTOCOL_PREFIX
-from podgate.proto.wschannel.endpoint import EndpointState, Role, WebSocketEndpoint
+from podgate.proto.wschannel.endpoint import (
+    Buffer,
+    EndpointState,
+    Role,
+    WebSocketEndpoint,
+    frozen,
+)
 from podgate.proto.wschannel.errors import CloseCode
 from podgate.proto.wschannel.events import (
     CloseReceived,
@@ -19,6 +25,7 @@ from podgate.proto.wschannel.events import (
     PongReceived,
     TunnelData,
 )
+from podgate.proto.wschannel.frames import FIN, Opcode
 
 __all__ = [
     "TUNNEL_PROTOCOL_PREFIX",
@@ -39,20 +46,36 @@ def tunnel_protocol(spdy_protocol: str) -> str:
 
 
 class TunnelConnection(WebSocketEndpoint):
-    """One side of the tunnel. `receive_data` yields TunnelData and control events;
-    `send(chunk)` puts one chunk in one binary message (the caller picks the cuts)."""
+    """One side of the tunnel. `receive_data` yields TunnelData (one per received piece of a
+    message) and control events; `send(chunk)` puts one chunk in one binary message (the
+    caller picks the cuts), `send_buffers` the concatenation of several."""
 
     def __init__(self, role: Role) -> None:
-        super().__init__(role)
+        # No reassembly, so no message bound: pieces are passed on as they arrive.
+        super().__init__(role, max_message_bytes=None)
 
-    def _on_fragment(self, event: BytesMessage | TextMessage, out: list[Event]) -> None:
-        data = event.data
-        if isinstance(event, TextMessage) or isinstance(data, str):
+    def _start_message(self, opcode: Opcode) -> None:
+        if opcode is not Opcode.BINARY:
             self._fail("invalid message type received", CloseCode.UNSUPPORTED_DATA)
-        if data:
-            out.append(TunnelData(data=bytes(data)))
+        super()._start_message(opcode)
 
-    def send(self, data: bytes) -> None:
-        """Queue `data` as one binary message. Empty data sends nothing."""
+    def _on_data(self, piece: bytes, last: bool, out: list[Event]) -> None:
+        if piece:
+            out.append(TunnelData(data=piece))
+
+    def _on_binary_message(self, lead: int, payload: bytes, out: list[Event]) -> None:
+        if payload:
+            out.append(TunnelData(data=payload))
+
+    def send(self, data: Buffer) -> None:
+        """Queue `data` as one binary message (not copied unless mutable). Empty: nothing."""
         if data:
-            self._send_message(bytes(data))
+            self._check_open()
+            self._queue(FIN | Opcode.BINARY, frozen(data))
+
+    def send_buffers(self, buffers: Iterable[Buffer]) -> None:
+        """Queue the buffers back to back as one binary message. All empty: nothing."""
+        views = [frozen(b) for b in buffers if b]
+        if views:
+            self._check_open()
+            self._queue_buffers(FIN | Opcode.BINARY, views)

@@ -21,6 +21,7 @@ from types import FrameType
 
 from rich.console import Console
 
+from bench import gateway as bench_gateway
 from bench import runtime as bench_runtime
 from bench.common import LOOP_CHOICES, format_size, parse_size
 from bench.portforward import DIRECTIONS, PATH_NAMES, Options, run_all
@@ -122,6 +123,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="comma-separated subset of the runtime paths (default: all)",
     )
     parser.add_argument(
+        "--gateway",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also run kubectl port-forward and exec floods through `podgate node` into a real "
+        "pod (default: on as root, unless --skip-kubectl)",
+    )
+    parser.add_argument(
+        "--gateway-paths",
+        type=_names(bench_gateway.GATEWAY_PATH_NAMES),
+        default=list(bench_gateway.DEFAULT_GATEWAY_PATHS),
+        help="comma-separated gateway port-forward paths (default: all but the demo-* paths)",
+    )
+    parser.add_argument(
+        "--flood-seconds",
+        type=float,
+        help="how long each exec flood through the gateway writes (default "
+        f"{bench_gateway.FLOOD_SECONDS:g} at --size 1G, proportionally less for smaller sizes, "
+        f"at least {bench_gateway.MIN_FLOOD_SECONDS:g})",
+    )
+    parser.add_argument(
         "--json",
         type=Path,
         default=RESULTS_DIR / "latest.json",
@@ -179,10 +200,19 @@ def main(argv: list[str] | None = None) -> int:
 
     with_runtime = args.runtime if args.runtime is not None else os.geteuid() == 0
     runtime = None
+    # Every gateway path is kubectl: --skip-kubectl leaves the part out unless asked for.
+    with_gateway = (
+        args.gateway if args.gateway is not None else os.geteuid() == 0 and not args.skip_kubectl
+    )
+    gateway = None
     try:
         results = run_all(options, progress=progress)
         if with_runtime and options.throughput:
             runtime = bench_runtime.run_runtime(options, args.runtime_paths, progress)
+        if with_gateway and options.throughput:
+            gateway = bench_gateway.run_gateway(
+                options, progress, args.flood_seconds, args.gateway_paths
+            )
     except ChildError as exc:
         err.print(f"[red]bench failed: {exc}[/red]")
         return 1
@@ -192,17 +222,25 @@ def main(argv: list[str] | None = None) -> int:
     data = results.as_dict()
     if runtime is not None:
         data["runtime"] = runtime
+    if gateway is not None:
+        data["gateway"] = gateway
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(data, indent=1) + "\n")
     md_path = args.markdown or args.json.with_suffix(".md")
     md_path.write_text(
-        markdown(data) + ("\n" + bench_runtime.markdown(runtime) if runtime is not None else "")
+        markdown(data)
+        + ("\n" + bench_runtime.markdown(runtime) if runtime is not None else "")
+        + ("\n" + bench_gateway.markdown(gateway) if gateway is not None else "")
     )
     print_report(data, console)
     if runtime is not None:
         bench_runtime.print_report(runtime, console)
+    if gateway is not None:
+        bench_gateway.print_report(gateway, console)
     console.print(f"results: {args.json} and {md_path}")
     failed = [s for s in data["summary"]["throughput"] + data["summary"]["conns"] if s["errors"]]
+    if gateway is not None and bench_gateway.failed(gateway):
+        return 1
     return 1 if failed or (runtime is not None and bench_runtime.failed(runtime)) else 0
 
 

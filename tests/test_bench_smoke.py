@@ -191,3 +191,119 @@ def test_bench_runtime_part_forwards_into_a_real_pod_with_verified_bytes(tmp_pat
         except OSError:
             continue
         assert b"podgate" not in cmdline and b"bench.target" not in cmdline
+
+
+def test_bench_gateway_part_runs_kubectl_through_podgate_node(tmp_path: Path) -> None:
+    """`--gateway` at 2 MiB: kubectl 1.33 port-forwards through `podgate node` (TLS) and
+    `podgate runtime` into a real pod over the tunnel and SPDY, byte-checked both ways; the
+    exec floods are checked at kubectl's stdout; afterwards nothing of it is left running.
+    The flood client's own check must bite on output that is not what the command writes."""
+    import os
+
+    import pytest
+    from bench.portforward import find_kubectl
+
+    if os.geteuid() != 0:
+        pytest.skip("the gateway benchmark needs root (a real pod through podgate runtime)")
+    if find_kubectl(None) is None:
+        pytest.skip("kubectl.1.33 is not installed next to kubectl")
+
+    # Stand-ins for `kubectl exec`: each output below breaks one rule of its flood kind.
+    for kind, size, script, error in (
+        ("echo", 0, r'printf "a\na\nab\n"; exit 124', "unexpected output at byte 5"),
+        ("echo", 0, r'printf "a\na\na"; exit 124', "output ended inside a line"),
+        ("echo", 0, r'printf "a\n"; exit 0', "kubectl exited 0"),  # `timeout` exits 124
+        ("bulk", 1001, "head -c 1000 /dev/zero", "dd finished after 1000 of 1001 bytes"),
+        ("bulk", 1000, "head -c 999 /dev/zero; printf x", "unexpected output at byte 999"),
+    ):
+        fake = subprocess.run(
+            [
+                *(sys.executable, "-m", "bench.gateway", "flood", "--kind", kind),
+                *("--seconds", "1", "--size", str(size), "--", "sh", "-c", script),
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        result = json.loads(fake.stdout)
+        assert result["verified"] is False
+        assert result["error"].startswith(error), (script, result)
+
+    out = tmp_path / "results.json"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench",
+            *("--size", "2M", "--runs", "1", "--paths", "direct", "--conns", "0"),
+            *("--sessions", "0", "--no-runtime", "--gateway", "--json", str(out)),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr + done.stdout
+    section = json.loads(out.read_text())["gateway"]
+    assert section["error"] is None
+    assert "warning" not in section["meta"]  # the target is not reachable from the host
+    assert section["meta"]["node_api"].startswith("https://127.0.0.1:")
+
+    rows = section["throughput"]
+    paths = ["direct-in-netns", "gateway-tunnel", "gateway-spdy"]
+    assert [(r["path"], r["direction"]) for r in rows] == [
+        (p, d) for p in paths for d in ("upload", "download")
+    ]
+    for run in rows:
+        assert run["error"] is None, run
+        assert run["verified"] is True
+        assert run["bytes"] == SIZE
+        rate = run["bytes"] / run["seconds"]
+        assert MIN_PLAUSIBLE_BYTES_PER_SECOND < rate < MAX_PLAUSIBLE_BYTES_PER_SECOND
+        if run["path"] != "direct-in-netns":
+            assert set(run["cpu"]) == {"gateway", "runtime", "kubectl", "target"}
+
+    floods = {(r["flood"], r["protocol"]): r for r in section["floods"]}
+    assert list(floods) == [
+        ("echo", "WebSocket v5"),
+        ("echo", "SPDY"),
+        ("bulk", "WebSocket v5"),
+        ("bulk", "SPDY"),
+    ]
+    for (kind, _), run in floods.items():
+        assert run["error"] is None, run
+        assert run["verified"] is True
+        assert set(run["cpu"]) == {"gateway", "runtime", "kubectl"}
+        if kind == "echo":
+            # `timeout` stops the endless loop and exits 124; kubectl passes the status on.
+            assert run["exit_code"] == 124
+            assert run["bytes"] > 0 and run["bytes"] % 2 == 0
+        else:
+            assert run["exit_code"] == 0
+            assert run["bytes"] == SIZE  # dd bs=1M count=2M iflag=count_bytes
+    markdown = (tmp_path / "results.md").read_text()
+    assert "| gateway-spdy | download |" in markdown
+    assert "| echo | WebSocket v5 |" in markdown
+
+    probe = section["disconnect"]
+    assert "error" not in probe, probe
+    assert isinstance(probe["exec_left_running"], bool)
+    assert probe["bytes_before_kill"] > 0
+
+    pids = section["meta"]["pids"]
+    assert set(pids) == {"runtime", "target", "holder", "gateway"}
+    for pid in pids.values():  # gone, or reused by something that is not ours
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        assert b"podgate" not in cmdline and b"bench.target" not in cmdline
+    for entry in Path("/proc").iterdir():  # nor is the probe's exec
+        if entry.name.isdigit():
+            try:
+                assert probe["marker"].encode() not in (entry / "cmdline").read_bytes()
+            except OSError:
+                continue

@@ -41,6 +41,8 @@ ABNORMAL = 1006
 MESSAGE_TOO_BIG = 1009
 PROMPT_SECONDS = 5.0
 
+# Channels 0-4 are stdin, stdout, stderr, error and resize (§5.3); port-forward uses 0-3.
+FIRST_UNUSED_CHANNEL = 5
 V5 = "v5.channel.k8s.io"
 V4 = "v4.channel.k8s.io"
 CHANNEL_PROTOCOLS = [
@@ -109,6 +111,9 @@ async def start_sessions(
     server = ChannelSession(
         b, server_core or ChannelConnection(Role.SERVER, protocol), name="test server"
     )
+    for session in (client, server):
+        for channel in range(FIRST_UNUSED_CHANNEL):
+            session.stream(channel)  # handlers take their channels before data flows
     tasks = [asyncio.create_task(client.run()), asyncio.create_task(server.run())]
     return Sessions(client, server, b, tasks)
 
@@ -212,7 +217,7 @@ async def test_channel_first_used_after_the_end_reads_eof() -> None:
     try:
         s.server_wire.abort()
         await asyncio.wait_for(s.client.done.wait(), PROMPT_SECONDS)
-        late = s.client.stream(2)
+        late = s.client.stream(FIRST_UNUSED_CHANNEL + 1)
         assert await asyncio.wait_for(receive_all(late), PROMPT_SECONDS) == b""
     finally:
         await s.close()

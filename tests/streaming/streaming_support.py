@@ -10,7 +10,7 @@ import asyncio
 import hashlib
 import random
 import socket
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -68,10 +68,37 @@ class Api:
     pod: DemoPod
     errors: list[BaseException] = field(default_factory=list)
     handlers: set[asyncio.Task[None]] = field(default_factory=set)
+    # Connections the pod's targets (echo, sink) have open right now.
+    pod_connections: int = 0
+    pod_connections_changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def path(self, subresource: str, query: str = "") -> str:
         path = pod_path(self.pod.namespace, self.pod.name, subresource)
         return f"{path}?{query}" if query else path
+
+    async def pod_connections_closed(self, timeout: float = HANDLER_SETTLE_SECONDS) -> None:
+        """Wait until no target connection is open; AssertionError after `timeout`."""
+        try:
+            async with asyncio.timeout(timeout):
+                while self.pod_connections:
+                    self.pod_connections_changed.clear()
+                    await self.pod_connections_changed.wait()
+        except TimeoutError:
+            raise AssertionError(f"{self.pod_connections} pod connection(s) still open") from None
+
+    def counted(
+        self, handler: Callable[[SocketStream], Awaitable[None]]
+    ) -> Callable[[SocketStream], Awaitable[None]]:
+        async def run(stream: SocketStream) -> None:
+            self.pod_connections += 1
+            self.pod_connections_changed.set()
+            try:
+                await handler(stream)
+            finally:
+                self.pod_connections -= 1
+                self.pod_connections_changed.set()
+
+        return run
 
     async def settle(self) -> list[asyncio.Task[None]]:
         """Wait for connection handlers to finish; returns the ones still running."""
@@ -88,8 +115,10 @@ class _Servers:
 
 
 async def start_api() -> _Servers:
-    echo = await start_server(_echo, "127.0.0.1", 0)
-    sink = await start_server(_sink, "127.0.0.1", 0)
+    pod = DemoPod(NAMESPACE, POD, ports=(ECHO_PORT, SINK_PORT))
+    api = Api(Endpoint("127.0.0.1", 0), pod)
+    echo = await start_server(api.counted(_echo), "127.0.0.1", 0)
+    sink = await start_server(api.counted(_sink), "127.0.0.1", 0)
     target = LocalTarget(
         port_map={
             ECHO_PORT: echo.sockets[0].getsockname()[1],
@@ -97,9 +126,7 @@ async def start_api() -> _Servers:
             REFUSED_PORT: _free_port(),
         }
     )
-    pod = DemoPod(NAMESPACE, POD, ports=(ECHO_PORT, SINK_PORT))
     demo = DemoApi(target, [pod])
-    api = Api(Endpoint("127.0.0.1", 0), pod)
 
     async def handle(conn: SocketStream) -> None:
         task = asyncio.current_task()

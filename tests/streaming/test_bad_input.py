@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import os
+import socket
 import time
 import tracemalloc
 import zlib
@@ -375,3 +377,58 @@ async def test_junk_on_unused_websocket_channels_is_dropped(api: Api) -> None:
         reader.cancel()
         await asyncio.gather(reader, return_exceptions=True)
         await session.aclose()
+
+
+# --------------------------------------------------------------------------- HTTP heads
+
+
+async def test_oversize_request_head_is_431(api: Api) -> None:
+    # A plain socket: the server may close while our head is still being written, and the
+    # answer already received must stay readable even if that write fails.
+    loop = asyncio.get_running_loop()
+    sock = socket.create_connection((api.endpoint.host, api.endpoint.port))
+    sock.setblocking(False)
+    filler = b"x" * (128 * 1024)  # twice podgate's head limit, far beyond any kubectl head
+    head = b"GET /api HTTP/1.1\r\nHost: x\r\nX-Filler: " + filler + b"\r\n\r\n"
+
+    async def write() -> None:
+        with contextlib.suppress(OSError):
+            await loop.sock_sendall(sock, head)
+
+    writer = asyncio.create_task(write())
+    received = b""
+    try:
+        async with asyncio.timeout(PROMPT_SECONDS):
+            while chunk := await loop.sock_recv(sock, 65536):
+                received += chunk
+    except ConnectionResetError:
+        pass  # the server closed with our bytes unread; what it sent first still counts
+    finally:
+        await writer
+        sock.close()
+    # RFC 6585: Request Header Fields Too Large.
+    assert received.startswith(b"HTTP/1.1 431 ")
+
+
+@pytest.mark.parametrize(
+    "sent",
+    [b"", b"POST /api/v1/namespaces/default/pods/demo/exec HTTP/1.1\r\nHost: x\r\n"],
+    ids=["nothing", "half-a-head"],
+)
+async def test_client_that_never_finishes_its_head_is_disconnected(
+    api: Api, sent: bytes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A connection that never completes a request must not hold a handler forever."""
+    from podgate.aio import http
+
+    monkeypatch.setattr(http, "REQUEST_HEAD_TIMEOUT_SECONDS", 0.3)
+    conn = await SocketStream.connect(api.endpoint.host, api.endpoint.port)
+    try:
+        await conn.send(sent)
+        started = time.monotonic()
+        async with asyncio.timeout(PROMPT_SECONDS):
+            while await conn.receive():  # whatever it answers, it then closes
+                pass
+        assert time.monotonic() - started < FAST_SECONDS
+    finally:
+        await conn.aclose()

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import pytest
 from streaming_support import Api, Collector, Source, terminal_sizes
 
+from podgate.aio.streams import DEFAULT_RECEIVE_BYTES, Buffer
 from podgate.streaming.client import (
     EXEC_SPDY_PROTOCOLS,
     ExecResult,
@@ -245,3 +246,79 @@ async def test_attach_feeds_stdin_to_the_main_process(api: Api, gen: Generation)
     assert result == ExecResult(0, None)
     assert out == data
     assert err == b""
+
+
+@pytest.mark.parametrize("gen", ALL, ids=ids(ALL))
+async def test_tty_gives_the_command_a_terminal(api: Api, gen: Generation) -> None:
+    script = "test -t 0 && test -t 1 && echo on a tty; echo to stderr >&2"
+    # A client sends its size first thing where it can (else the server waits a moment).
+    size = ((80, 24),) if gen.resize else ()
+    result, out, err = await run(api, gen, ["sh", "-c", script], tty=True, resize=size)
+    assert result == ExecResult(0, None)
+    # One terminal for both outputs, with the pty's newline translation.
+    assert out == b"on a tty\r\nto stderr\r\n"
+    assert err == b""
+
+
+# --------------------------------------------------------------------------- volume both ways
+
+
+BULK = [SPDY[0], WEBSOCKET[0]]
+
+
+@pytest.mark.parametrize("gen", BULK, ids=ids(BULK))
+async def test_large_stdin_and_stdout_flow_at_once(api: Api, gen: Generation) -> None:
+    # `cat` answers as it reads: stdin and stdout are busy at the same time, so neither
+    # direction may wait for the other to finish.
+    data = os.urandom(16 * 1024 * 1024)
+    result, out, err = await run(api, gen, ["cat"], stdin=data)
+    assert result == ExecResult(0, None)
+    assert hashlib.sha256(out).digest() == hashlib.sha256(data).digest()
+    assert err == b""
+
+
+# --------------------------------------------------------------------------- clients that leave
+
+
+class Forever(Source):
+    """stdin that sends one line, then stays open."""
+
+    def __init__(self) -> None:
+        super().__init__(b"first line\n")
+        self.sent = asyncio.Event()
+
+    async def receive(self, max_bytes: int = DEFAULT_RECEIVE_BYTES) -> bytes:
+        chunk = await super().receive(max_bytes)
+        if chunk:
+            return chunk
+        self.sent.set()
+        await asyncio.Event().wait()
+        return b""
+
+
+class Notify(Collector):
+    def __init__(self) -> None:
+        super().__init__()
+        self.got = asyncio.Event()
+
+    async def send(self, data: Buffer) -> None:
+        await super().send(data)
+        self.got.set()
+
+
+@pytest.mark.parametrize("gen", BULK, ids=ids(BULK))
+async def test_client_leaving_mid_command_ends_the_session(api: Api, gen: Generation) -> None:
+    """Like Ctrl-C in kubectl: the connection goes away while `cat` waits for more input.
+    The server must close the process's stdin and finish (the fixture checks the handler)."""
+    path = api.path("exec", exec_query(["cat"], stdin=True, stdout=True, stderr=True))
+    out = Notify()
+    call = (exec_websocket if gen.websocket else exec_spdy)(
+        api.endpoint, path, stdin=Forever(), stdout=out, stderr=Collector(), protocols=gen.offer
+    )
+    task = asyncio.create_task(call)
+    await asyncio.wait_for(out.got.wait(), EXEC_TIMEOUT_SECONDS)
+    assert out.data == b"first line\n"
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not await api.settle()

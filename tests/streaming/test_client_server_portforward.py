@@ -211,3 +211,34 @@ async def test_slow_reader_bounds_memory_then_gets_every_byte(api: Api, websocke
         assert digest == writer.digest.hexdigest()
     finally:
         await session.aclose()
+
+
+# --------------------------------------------------------------------------- clients that leave
+
+
+@pytest.mark.parametrize("websocket", TRANSPORTS, ids=TRANSPORT_IDS)
+async def test_client_leaving_mid_transfer_releases_the_pod_connections(
+    api: Api, websocket: bool
+) -> None:
+    session = await connect(api, websocket)
+    forwarded = [await session.open(ECHO_PORT) for _ in range(3)]
+    for stream in forwarded:
+        await stream.data.send(bytes(MIB))  # no EOF: the transfers are still running
+    await asyncio.wait_for(forwarded[0].data.receive(), PROMPT_SECONDS)
+    assert api.pod_connections == len(forwarded)
+    await session.aclose()
+    await api.pod_connections_closed()
+
+
+async def test_websocket_client_leaving_releases_the_pod_connections(api: Api) -> None:
+    ports = [ECHO_PORT, ECHO_PORT]
+    channels, streams, reader = await asyncio.wait_for(
+        portforward_websocket(api.endpoint, api.path("portforward"), ports), PROMPT_SECONDS
+    )
+    await streams[ECHO_PORT].send(bytes(MIB))
+    await asyncio.wait_for(streams[ECHO_PORT].receive(), PROMPT_SECONDS)
+    assert api.pod_connections == len(ports)
+    await channels.aclose()
+    reader.cancel()
+    await asyncio.gather(reader, return_exceptions=True)
+    await api.pod_connections_closed()

@@ -163,6 +163,7 @@ class CriClient:
         self._rt = pb_grpc.RuntimeServiceStub(self._channel)
         self._ips: dict[str, tuple[float, str]] = {}  # sandbox id -> (when looked up, IP)
         self._exit_codes: dict[str, int] = {}  # exited container id -> its exit code
+        self._stdio: dict[str, tuple[bool, bool]] = {}  # container id -> (stdin, tty)
 
     async def _call(self, call: Awaitable[_T]) -> _T:
         try:
@@ -190,7 +191,10 @@ class CriClient:
         grouped = {s.id: _latest_attempts(by_pod.get(s.id, ())) for s in sandboxes.items}
         ready = [s.id for s in sandboxes.items if s.state == pb.SANDBOX_READY]
         exited = [c.id for cs in grouped.values() for c in cs if c.state == pb.CONTAINER_EXITED]
-        ips, codes = await asyncio.gather(self._pod_ips(ready), self._exit_codes_of(exited))
+        everyone = [c.id for cs in grouped.values() for c in cs]
+        ips, codes, stdio = await asyncio.gather(
+            self._pod_ips(ready), self._exit_codes_of(exited), self._stdio_of(everyone)
+        )
         items: Iterable[pb.PodSandbox] = sandboxes.items
         if one_per_name:
             best: dict[tuple[str, str], pb.PodSandbox] = {}
@@ -200,10 +204,15 @@ class CriClient:
                 if seen is None or _rank(s) > _rank(seen):
                     best[key] = s
             items = best.values()
-        return [self._view(s, grouped[s.id], ips.get(s.id, ""), codes) for s in items]
+        return [self._view(s, grouped[s.id], ips.get(s.id, ""), codes, stdio) for s in items]
 
     def _view(
-        self, sandbox: pb.PodSandbox, containers: list[pb.Container], ip: str, codes: dict[str, int]
+        self,
+        sandbox: pb.PodSandbox,
+        containers: list[pb.Container],
+        ip: str,
+        codes: dict[str, int],
+        stdio: dict[str, tuple[bool, bool]],
     ) -> PodView:
         meta = sandbox.metadata
         states = [c.state for c in containers]
@@ -217,6 +226,8 @@ class CriClient:
                     id=c.id,
                     ports=container_ports(c.annotations),
                     ready=c.state == pb.CONTAINER_RUNNING,
+                    stdin=stdio.get(c.id, (False, False))[0],
+                    tty=stdio.get(c.id, (False, False))[1],
                     image=c.image.image or c.image_ref,
                 )
                 for c in containers
@@ -259,6 +270,25 @@ class CriClient:
             sid: self._ips[sid] for sid in ips
         }
         return ips | fresh
+
+    async def _stdio_of(self, container_ids: list[str]) -> dict[str, tuple[bool, bool]]:
+        """(stdin, tty) of each container, from its verbose status's config (containerd and
+        podgate both put the CRI ContainerConfig there). A container's config never changes,
+        so each is asked for once; kubectl needs these for `attach -it`."""
+        missing = [cid for cid in container_ids if cid not in self._stdio]
+
+        async def one(cid: str) -> None:
+            request = pb.ContainerStatusRequest(container_id=cid, verbose=True)
+            try:
+                response = await self._call(self._rt.ContainerStatus(request, timeout=self.timeout))
+                config = json.loads(response.info.get("info", "{}")).get("config", {})
+            except (CriError, ValueError, AttributeError):
+                return
+            if isinstance(config, dict):
+                self._stdio[cid] = (bool(config.get("stdin")), bool(config.get("tty")))
+
+        await asyncio.gather(*(one(cid) for cid in missing))
+        return {cid: self._stdio[cid] for cid in container_ids if cid in self._stdio}
 
     async def _exit_codes_of(self, container_ids: list[str]) -> dict[str, int]:
         """Exit codes of exited containers; they never change, so each is asked for once."""

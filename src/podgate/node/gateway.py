@@ -69,7 +69,7 @@ class AuditLog:
     def write(self, **entry: Any) -> None:
         entry = {"time": _now(), **entry}
         line = json.dumps(entry, separators=(",", ":"), default=str)
-        if self._file is None:
+        if self._file is None or self._file.closed:
             log.info("audit %s", line)
             return
         with self._lock:
@@ -156,6 +156,17 @@ class Gate:
         assert isinstance(who, Caller)
         decision = self.policy.authorize(who.user, verb, namespace, pod)
         if decision.allowed:
+            if verb in ("get", "list", "log"):
+                # Streams are audited when they start and end; reads are audited here.
+                self.audit.write(
+                    **_who(who),
+                    verb=verb,
+                    namespace=namespace,
+                    pod=pod,
+                    path=request.path,
+                    outcome="allowed",
+                    reason=decision.reason,
+                )
             return None
         self.metrics.denials.labels(verb).inc()
         self.audit.write(
@@ -241,8 +252,12 @@ class GateStream(SessionHooks):
         }
         if command:
             self._base["command"] = command
-        if verb != "portforward":
-            gate.audit.write(**self._base, outcome="allowed", stage="started")
+
+    def negotiated(self, transport: str, protocol: str) -> None:
+        kind = "websocket" if transport.startswith("websocket") else transport
+        self._base["transport"] = f"{kind}:{protocol}" if protocol else kind
+        if self.verb != "portforward":
+            self.gate.audit.write(**self._base, outcome="allowed", stage="started")
 
     @property
     def hooks(self) -> SessionHooks:
@@ -313,9 +328,10 @@ def _address(conn: SocketStream) -> str:
 
 
 def _transport(request: UpgradeRequest) -> str:
+    """What the client asked for; replaced by what was negotiated once the upgrade succeeds."""
     upgrade = (request.header("upgrade") or "").lower()
     if "websocket" in upgrade:
-        return f"websocket:{request.header('sec-websocket-protocol') or ''}"
+        return "websocket"
     if "spdy" in upgrade:
         return "spdy"
     return "http"

@@ -17,7 +17,8 @@ from datetime import UTC, datetime
 from typing import Any, Protocol
 from urllib.parse import unquote
 
-from podgate.aio.http import next_request
+from podgate.aio.errors import StreamError
+from podgate.aio.http import linger_close, next_request
 from podgate.aio.streams import SocketStream, start_server
 from podgate.node.logs import LogSource, read_log
 from podgate.proto import k8s
@@ -183,6 +184,44 @@ _TABLE_COLUMNS = (
 )
 
 
+def pod_table(pods: Sequence[PodView]) -> dict[str, Any]:
+    """Pods as the meta.k8s.io Table kubectl prints (it shows the cells as they are)."""
+    return {
+        "kind": "Table",
+        "apiVersion": "meta.k8s.io/v1",
+        "metadata": {"resourceVersion": "1"},
+        "columnDefinitions": [
+            {
+                "name": n,
+                "type": "string",
+                "format": "name" if n == "Name" else "",
+                "description": n,
+                "priority": priority,
+            }
+            for n, priority in _TABLE_COLUMNS
+        ],
+        "rows": [
+            {
+                "cells": [
+                    p.name,
+                    f"{sum(c.ready for c in p.containers)}/{len(p.containers)}",
+                    p.phase,
+                    "0",
+                    _age(p.created),
+                    p.ip or "<none>",
+                    p.node or "<none>",
+                ],
+                "object": {
+                    "kind": "PartialObjectMetadata",
+                    "apiVersion": "meta.k8s.io/v1",
+                    "metadata": p.body()["metadata"],
+                },
+            }
+            for p in pods
+        ],
+    }
+
+
 def _age(created: datetime) -> str:
     seconds = int((datetime.now(UTC) - created).total_seconds())
     if seconds < 120:
@@ -190,6 +229,10 @@ def _age(created: datetime) -> str:
     if seconds < 7200:
         return f"{seconds // 60}m"
     return f"{seconds // 3600}h"
+
+
+class SourceUnavailable(Exception):
+    """The pod source (the runtime) could not be asked; answered 503."""
 
 
 class StreamGuard(Protocol):
@@ -238,8 +281,15 @@ class KubeApi:
         self.source = source
         self.guard = guard
 
+    async def _pods(self) -> list[PodView]:
+        try:
+            return await self.source.list_pods()
+        except Exception as exc:
+            log.warning("listing pods failed: %s", exc)
+            raise SourceUnavailable(str(exc)) from exc
+
     async def find(self, namespace: str, name: str) -> PodView | None:
-        for pod in await self.source.list_pods():
+        for pod in await self._pods():
             if pod.namespace == namespace and pod.name == name:
                 return pod
         return None
@@ -256,13 +306,23 @@ class KubeApi:
                 request = await next_request(conn, handshake)
             except HandshakeError as exc:
                 await self._send_status(conn, handshake, exc.status, "BadRequest", exc.message)
+                await linger_close(conn)
                 return
             except RemoteProtocolError:
                 return
             if request is None:
                 return
-            if await self._route(conn, handshake, request):
-                return  # the connection was upgraded and is finished
+            try:
+                if await self._route(conn, handshake, request):
+                    return  # the connection was upgraded and is finished
+            except SourceUnavailable as exc:
+                await self._send_status(
+                    conn,
+                    handshake,
+                    503,
+                    "ServiceUnavailable",
+                    f"the container runtime is unavailable: {exc}",
+                )
 
     async def _route(
         self, conn: SocketStream, handshake: ServerHandshake, request: UpgradeRequest
@@ -303,6 +363,8 @@ class KubeApi:
                     f'pods "{unquote(m["name"])}" not found',
                     details={"name": unquote(m["name"]), "kind": "pods"},
                 )
+            elif sub is None and "as=Table" in (request.header("accept") or ""):
+                await self._send_json(conn, handshake, pod_table([pod]), TABLE_CONTENT_TYPE)
             elif sub is None:
                 await self._send_json(conn, handshake, pod.body())
             elif sub == "log" and request.method in ("GET", "HEAD"):
@@ -342,55 +404,17 @@ class KubeApi:
         request: UpgradeRequest,
         namespace: str | None,
     ) -> None:
-        pods = [
-            p
-            for p in await self.source.list_pods()
-            if namespace is None or p.namespace == namespace
-        ]
+        pods = [p for p in await self._pods() if namespace is None or p.namespace == namespace]
         if "as=Table" in (request.header("accept") or ""):
-            body: dict[str, Any] = {
-                "kind": "Table",
-                "apiVersion": "meta.k8s.io/v1",
-                "metadata": {"resourceVersion": "1"},
-                "columnDefinitions": [
-                    {
-                        "name": n,
-                        "type": "string",
-                        "format": "name" if n == "Name" else "",
-                        "description": n,
-                        "priority": priority,
-                    }
-                    for n, priority in _TABLE_COLUMNS
-                ],
-                "rows": [
-                    {
-                        "cells": [
-                            p.name,
-                            f"{sum(c.ready for c in p.containers)}/{len(p.containers)}",
-                            p.phase,
-                            "0",
-                            _age(p.created),
-                            p.ip or "<none>",
-                            p.node or "<none>",
-                        ],
-                        "object": {
-                            "kind": "PartialObjectMetadata",
-                            "apiVersion": "meta.k8s.io/v1",
-                            "metadata": p.body()["metadata"],
-                        },
-                    }
-                    for p in pods
-                ],
-            }
-            await self._send_json(conn, handshake, body, TABLE_CONTENT_TYPE)
-        else:
-            body = {
-                "kind": "PodList",
-                "apiVersion": "v1",
-                "metadata": {"resourceVersion": "1"},
-                "items": [p.body() for p in pods],
-            }
-            await self._send_json(conn, handshake, body)
+            await self._send_json(conn, handshake, pod_table(pods), TABLE_CONTENT_TYPE)
+            return
+        body = {
+            "kind": "PodList",
+            "apiVersion": "v1",
+            "metadata": {"resourceVersion": "1"},
+            "items": [p.body() for p in pods],
+        }
+        await self._send_json(conn, handshake, body)
 
     async def _stream(
         self,
@@ -492,9 +516,14 @@ class KubeApi:
             await conn.send(handshake.respond(200, [(b"Content-Type", b"text/plain")], body))
             return
         await conn.send(handshake.start_response(200, [(b"Content-Type", b"text/plain")]))
-        async for chunk in lines:
-            await conn.send(handshake.send_body(chunk))
-        await conn.send(handshake.end_response())
+        try:
+            async for chunk in lines:
+                await conn.send(handshake.send_body(chunk))
+            await conn.send(handshake.end_response())
+        except StreamError:
+            pass  # the client stopped following (Ctrl-C): not an error
+        finally:
+            await lines.aclose()
 
     async def _send_json(
         self,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 # Read size while following or scanning a log file.
@@ -72,7 +72,7 @@ async def read_log(
     timestamps: bool = False,
     follow: bool = False,
     still_running: Callable[[], Awaitable[bool]] | None = None,
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes, None]:
     """The log as `kubectl logs` prints it. With `follow`, keeps going while the file grows
     and `still_running()` says so; ends once the container stopped and the file is drained."""
     reader = _LogFile(path)

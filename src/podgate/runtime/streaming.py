@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import quote
 
-from podgate.aio.http import next_request
+from podgate.aio.http import linger_close, next_request
 from podgate.aio.streams import SocketStream, start_server, start_unix_server
 from podgate.proto import k8s
 from podgate.proto import remotecommand as rc
@@ -138,6 +138,7 @@ class StreamingServer:
                 await conn.send(
                     handshake.respond(exc.status, [(b"Content-Type", b"application/json")], body)
                 )
+                await linger_close(conn)
                 return
             except RemoteProtocolError:
                 return

@@ -34,6 +34,9 @@ class SessionHooks:
     #: bytes per second each way for each stream; None = unlimited
     max_bytes_per_sec: float | None = None
 
+    def negotiated(self, transport: str, protocol: str) -> None:
+        """The upgrade was accepted with this transport and subprotocol."""
+
     def check_port(self, port: int) -> str | None:
         """None to allow a forward to `port`, else the reason it is refused."""
         return None

@@ -26,6 +26,9 @@ log = logging.getLogger(__name__)
 
 # Read size for a process's pipes and pty.
 PIPE_READ_BYTES = 64 * 1024
+# Output reads smaller than this wait up to OUTPUT_BATCH_SECONDS for more before going out.
+SMALL_OUTPUT_BYTES = 4096
+OUTPUT_BATCH_SECONDS = 0.002
 # How long a tty session waits for the client's first terminal size before starting.
 FIRST_RESIZE_WAIT_SECONDS = 1.0
 # How long output may keep flowing after the process exited (grandchildren holding the pipe).
@@ -107,12 +110,36 @@ async def _copy_in(src: ByteStream, dst: asyncio.StreamWriter) -> None:
 
 
 async def _copy_out(src: asyncio.StreamReader, dst: ByteStream | None) -> None:
-    while chunk := await src.read(PIPE_READ_BYTES):
+    while chunk := await _read_batched(src):
         if dst is not None:
             try:
                 await dst.send(chunk)
             except StreamError:
                 dst = None  # the client went away; keep draining so the process never blocks
+
+
+async def _read_batched(src: asyncio.StreamReader) -> bytes:
+    """A read, topped up for a moment when it was small: a process printing line by line
+    would otherwise cost one frame and one write per line all the way to the client."""
+    chunk = await src.read(PIPE_READ_BYTES)
+    if not chunk or len(chunk) >= SMALL_OUTPUT_BYTES:
+        return chunk
+    parts = [chunk]
+    size = len(chunk)
+    deadline = asyncio.get_running_loop().time() + OUTPUT_BATCH_SECONDS
+    while size < PIPE_READ_BYTES:
+        remaining = deadline - asyncio.get_running_loop().time()
+        if remaining <= 0:
+            break
+        try:
+            more = await asyncio.wait_for(src.read(PIPE_READ_BYTES - size), remaining)
+        except TimeoutError:
+            break
+        if not more:
+            break
+        parts.append(more)
+        size += len(more)
+    return b"".join(parts)
 
 
 async def _run_pipes(command: Sequence[str], io: ExecIO, cwd: str | None) -> int:
@@ -225,9 +252,12 @@ async def _run_pty(command: Sequence[str], io: ExecIO, cwd: str | None) -> int:
                         with contextlib.suppress(StreamError):
                             await out.send(chunk)
                 return
+            chunk = getter.result()
+            while not queue.empty() and len(chunk) < PIPE_READ_BYTES:
+                chunk += queue.get_nowait()  # whatever else is already there goes along
             if out is not None:
                 try:
-                    await out.send(getter.result())
+                    await out.send(chunk)
                 except StreamError:
                     out = None
 

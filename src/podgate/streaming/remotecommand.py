@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from typing import TypeVar
 
 from podgate.aio.errors import StreamError
 from podgate.aio.spdy import SpdySession, SpdyStream
@@ -19,6 +20,7 @@ from podgate.streaming.target import ExecIO, TargetError
 log = logging.getLogger(__name__)
 
 Runner = Callable[[ExecIO], Awaitable[int]]
+T = TypeVar("T")
 
 # WebSocket channel numbers of the exec/attach protocols.
 STDIN, STDOUT, STDERR, ERROR, RESIZE = 0, 1, 2, 3, 4
@@ -46,6 +48,21 @@ async def run_and_report(run: Runner, io: ExecIO, protocol: str) -> tuple[bytes 
         log.exception("exec failed")
         return rc.error_stream_payload(protocol, None, f"{type(exc).__name__}: {exc}"), None
     return rc.error_stream_payload(protocol, code, None), code
+
+
+async def run_while_connected(
+    work: Coroutine[object, object, T], reader: asyncio.Task[None]
+) -> T | None:
+    """Run `work` until it finishes or the client's connection ends (the read loop `reader`
+    returns); in the second case cancel it, which stops the command. None then."""
+    task = asyncio.create_task(work, name="exec run")
+    await asyncio.wait({task, reader}, return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None
 
 
 async def serve_spdy_exec(
@@ -88,7 +105,11 @@ async def serve_spdy_exec(
             tty=options.tty,
             resizes=resize_events(resize) if resize is not None else None,
         )
-        payload, code = await run_and_report(run, io, protocol)
+        outcome = await run_while_connected(run_and_report(run, io, protocol), reader)
+        if outcome is None:
+            log.info("exec: the client went away; the command was stopped")
+            return None
+        payload, code = outcome
         with contextlib.suppress(StreamError):
             for kind in (rc.StreamType.STDOUT, rc.StreamType.STDERR):
                 if kind in streams:
@@ -122,7 +143,11 @@ async def serve_ws_exec(
             tty=options.tty,
             resizes=resize_events(session.stream(RESIZE)) if options.tty else None,
         )
-        payload, code = await run_and_report(run, io, protocol)
+        outcome = await run_while_connected(run_and_report(run, io, protocol), reader)
+        if outcome is None:
+            log.info("exec: the client went away; the command was stopped")
+            return None
+        payload, code = outcome
         if payload:
             with contextlib.suppress(StreamError):
                 await session.stream(ERROR).send(payload)

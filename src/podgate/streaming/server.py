@@ -103,6 +103,7 @@ async def serve_stream(
         except ProtocolError as exc:
             await reject(conn, handshake, 400, "BadRequest", exc.message)
             return None
+    what.hooks.negotiated(decision.transport.name.lower(), decision.protocol)
     conn.write(handshake.accept(decision))
     conn.unread(handshake.trailing_data)
 

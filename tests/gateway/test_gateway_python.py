@@ -1,0 +1,142 @@
+"""The official Python `kubernetes` client through `podgate up`'s gateway, authenticated with the
+admin's client certificate from the kubeconfig `podgate up` wrote.
+
+The client speaks WebSocket only (exec: v5/v4 channels; port-forward: v4 channel pairs with
+their port headers), kubectl-api-surface.md §10.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from e2e_support import exchange, sha256_hex
+from gateway_support import ECHO_PORT, Gateway, matching
+from kubernetes import client, config
+from kubernetes.stream import portforward, stream
+
+pytestmark = [pytest.mark.e2e, pytest.mark.privileged]
+
+# Bound on one exec session and on the port-forward exchange.
+SESSION_TIMEOUT_SECONDS = 30.0
+# Bytes echoed through the client's port-forward socket.
+FORWARD_BYTES = 8 * 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def api(gateway: Gateway) -> Iterator[Any]:
+    # The loader writes the embedded certificate and key to files: keep them in a directory
+    # of our own, removed afterwards.
+    certs = tempfile.mkdtemp(prefix="pgwpy")
+    try:
+        configuration = client.Configuration()
+        config.load_kube_config(  # type: ignore[no-untyped-call]
+            config_file=gateway.kubeconfig,
+            client_configuration=configuration,
+            temp_file_path=certs,
+        )
+        assert configuration.cert_file and configuration.key_file  # the certificate, no token
+        assert "authorization" not in {k.lower() for k in configuration.api_key}
+        with client.ApiClient(configuration) as api_client:
+            yield client.CoreV1Api(api_client)
+    finally:
+        shutil.rmtree(certs, ignore_errors=True)
+
+
+def wait_closed(pf: Any, timeout: float = SESSION_TIMEOUT_SECONDS) -> bool:
+    """The client's proxy thread closes the WebSocket once every local socket is closed."""
+    deadline = time.monotonic() + timeout
+    while pf.connected and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return not pf.connected
+
+
+def test_list_pods(api: Any) -> None:
+    pods = api.list_namespaced_pod("default")
+    assert sorted(p.metadata.name for p in pods.items) == ["data", "hello", "logger", "shell"]
+    assert {p.status.phase for p in pods.items} == {"Running"}
+
+
+def test_exec_exit_code(api: Any, gateway: Gateway) -> None:
+    audit = gateway.audit
+    mark = audit.mark()
+    resp = stream(
+        api.connect_get_namespaced_pod_exec,
+        "hello",
+        "default",
+        command=["sh", "-c", "echo out; exit 3"],
+        stderr=True,
+        stdin=False,
+        stdout=True,
+        tty=False,
+        _preload_content=False,
+    )
+    try:
+        resp.run_forever(timeout=SESSION_TIMEOUT_SECONDS)
+        assert not resp.is_open(), "the server did not end the session"
+        assert resp.read_stdout() == "out\n"
+        assert resp.returncode == 3
+    finally:
+        resp.close()
+        resp.sock.shutdown()
+    (finished,) = audit.wait_for(mark, matching(verb="exec", pod="hello", stage="finished"))
+    assert finished["user"] == "admin" and finished["auth"] == "x509"
+    assert finished["transport"].startswith("websocket:")
+    assert (finished["outcome"], finished["reason"]) == ("completed", "exit code 3")
+
+
+def test_audit_names_the_negotiated_subprotocol(api: Any, gateway: Gateway) -> None:
+    """The client offers `v5.channel.k8s.io,v4.channel.k8s.io`; the session runs on the one
+    the gateway chose (the client reports it). The audit record must name that one, not the
+    client's list of offers."""
+    audit = gateway.audit
+    mark = audit.mark()
+    resp = stream(
+        api.connect_get_namespaced_pod_exec,
+        "hello",
+        "default",
+        command=["true"],
+        stderr=True,
+        stdin=False,
+        stdout=True,
+        tty=False,
+        _preload_content=False,
+    )
+    try:
+        negotiated = resp.subprotocol
+        resp.run_forever(timeout=SESSION_TIMEOUT_SECONDS)
+    finally:
+        resp.close()
+        resp.sock.shutdown()
+    assert negotiated in ("v5.channel.k8s.io", "v4.channel.k8s.io")
+    (started,) = audit.wait_for(mark, matching(verb="exec", pod="hello", stage="started"))
+    assert started["transport"] == f"websocket:{negotiated}"
+
+
+def test_portforward_echo(api: Any, gateway: Gateway) -> None:
+    data = os.urandom(FORWARD_BYTES)
+    audit = gateway.audit
+    mark = audit.mark()
+    pf = portforward(api.connect_get_namespaced_pod_portforward, "data", "default", ports="7000")
+    try:
+        sock = pf.socket(ECHO_PORT)
+        # No half-close exists on this protocol: read until every byte is back, then close.
+        echoed = exchange(sock, data, SESSION_TIMEOUT_SECONDS, half_close=False)
+        sock.close()
+        assert wait_closed(pf)
+        assert pf.error(ECHO_PORT) is None
+    finally:
+        pf.close()
+        if wait_closed(pf, 5.0):
+            pf.websocket.shutdown()
+    assert echoed.nbytes == len(data)
+    assert echoed.sha256 == sha256_hex(data)
+    (record,) = audit.wait_for(mark, matching(verb="portforward", pod="data", port=ECHO_PORT))
+    assert record["user"] == "admin" and record["auth"] == "x509"
+    assert record["transport"].startswith("websocket:")
+    assert record["bytes_in"] == record["bytes_out"] == len(data)

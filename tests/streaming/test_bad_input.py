@@ -290,6 +290,57 @@ async def test_unknown_websocket_protocol_is_403(api: Api) -> None:
     assert response.status == 403  # kubectl falls back to SPDY on this (§6.4)
 
 
+async def plain_request(api: Api, head: bytes) -> UpgradeResponse:
+    """Send a raw request head and return the (non-upgrade) answer."""
+    handshake = ClientHandshake()
+    conn, response = await raw_request(api, head, handshake)
+    await conn.aclose()
+    assert not response.upgraded
+    return response
+
+
+async def test_exec_without_upgrade_headers_is_400(api: Api) -> None:
+    path = api.path("exec", exec_query(["true"])).encode()
+    response = await plain_request(
+        api, b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n"
+    )
+    assert response.status == 400
+    assert b"missing upgrade headers" in response.body  # (§2, step 1)
+
+
+async def test_spdy_upgrade_without_protocol_versions_is_400(api: Api) -> None:
+    path = api.path("exec", exec_query(["true"])).encode()
+    response = await plain_request(
+        api,
+        b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n"
+        b"Connection: Upgrade\r\nUpgrade: SPDY/3.1\r\n\r\n",
+    )
+    assert response.status == 400
+    assert b"X-Stream-Protocol-Version is required" in response.body  # (§2, step 2)
+
+
+@pytest.mark.parametrize("websocket", [False, True], ids=["spdy", "websocket"])
+async def test_exec_without_any_stdio_is_400(api: Api, websocket: bool) -> None:
+    path = api.path("exec", "command=true")  # none of stdin, stdout, stderr
+    if websocket:
+        conn, response = await ws_upgrade(api, path, ["v5.channel.k8s.io"])
+    else:
+        handshake = ClientHandshake()
+        request = handshake.spdy_request("POST", path, api.endpoint.authority, SERVER_EXEC_SPDY)
+        conn, response = await raw_request(api, request, handshake)
+    await conn.aclose()
+    assert response.status == 400
+    # The kubelet's message (§4.2).
+    assert b"you must specify at least 1 of stdin, stdout, stderr" in response.body
+
+
+@pytest.mark.parametrize("query", ["", "ports=", "ports=abc", "ports=0", "ports=65536"])
+async def test_websocket_port_forward_with_bad_ports_is_400(api: Api, query: str) -> None:
+    conn, response = await ws_upgrade(api, api.path("portforward", query), ["v4.channel.k8s.io"])
+    await conn.aclose()
+    assert response.status == 400  # checked before the upgrade (§5.6)
+
+
 @pytest.mark.parametrize("websocket", [False, True], ids=["spdy", "websocket"])
 async def test_missing_pod_is_404_with_a_status_body(api: Api, websocket: bool) -> None:
     path = f"/api/v1/namespaces/{api.pod.namespace}/pods/missing/exec?{exec_query(['true'])}"
@@ -356,9 +407,9 @@ async def test_oversize_websocket_message_is_closed_with_1009(api: Api) -> None:
 
 
 async def test_junk_on_unused_websocket_channels_is_dropped(api: Api) -> None:
-    """Channels nobody requested (and numbers >= 5) are ignored upstream (§5.3); a client
-    writing a lot to one must not stall stdin."""
-    path = api.path("exec", exec_query(["cat"], stdin=True, stdout=True))
+    """Channels nobody requested, output channels and numbers >= 5 are ignored upstream
+    (§5.3); a client writing a lot to one must not stall stdin."""
+    path = api.path("exec", exec_query(["cat"], stdin=True, stdout=True, stderr=False))
     conn, response = await ws_upgrade(api, path, ["v5.channel.k8s.io"])
     assert response.upgraded, response.error
     session = ChannelSession(conn, ChannelConnection(WsRole.CLIENT, "v5.channel.k8s.io"))
@@ -368,6 +419,7 @@ async def test_junk_on_unused_websocket_channels_is_dropped(api: Api) -> None:
     try:
         await session.stream(9).send(bytes(3 * MIB))
         await session.stream(2).send(bytes(3 * MIB))  # stderr was not requested
+        await session.stream(1).send(bytes(3 * MIB))  # stdout only flows to the client
         await session.stream(0).send(b"stdin after the junk")
         await session.stream(0).send_eof()
         count, _ = await asyncio.wait_for(read_digest(stdout), PROMPT_SECONDS)

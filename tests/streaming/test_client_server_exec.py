@@ -21,6 +21,7 @@ from podgate.streaming.client import (
     EXEC_SPDY_PROTOCOLS,
     ExecResult,
     connect_spdy,
+    connect_websocket,
     exec_query,
     exec_spdy,
     exec_websocket,
@@ -35,33 +36,23 @@ class Generation:
     name: str
     websocket: bool
     offer: tuple[str, ...]
-    negotiated: str
     json_status: bool  # v4+: a JSON Status with the exit code; else text, on failure only
     resize: bool  # tty resize events reach the process
     stdin_eof: bool  # the client can say "stdin ended" (SPDY FIN, v5 CLOSE)
 
 
+# Each offers one protocol, except the first: kubectl's list, which negotiates v4.
 SPDY = [
-    Generation("spdy-default", False, EXEC_SPDY_PROTOCOLS, "v4.channel.k8s.io", True, True, True),
-    Generation("spdy-v3", False, ("v3.channel.k8s.io",), "v3.channel.k8s.io", False, True, True),
-    Generation("spdy-v2", False, ("v2.channel.k8s.io",), "v2.channel.k8s.io", False, False, True),
-    Generation("spdy-v1", False, ("channel.k8s.io",), "channel.k8s.io", False, False, True),
+    Generation("spdy-default", False, EXEC_SPDY_PROTOCOLS, True, True, True),
+    Generation("spdy-v3", False, ("v3.channel.k8s.io",), False, True, True),
+    Generation("spdy-v2", False, ("v2.channel.k8s.io",), False, False, True),
+    Generation("spdy-v1", False, ("channel.k8s.io",), False, False, True),
 ]
 WEBSOCKET = [
-    Generation("ws-v5", True, ("v5.channel.k8s.io",), "v5.channel.k8s.io", True, True, True),
-    Generation("ws-v4", True, ("v4.channel.k8s.io",), "v4.channel.k8s.io", True, True, False),
-    Generation(
-        "ws-v4-base64",
-        True,
-        ("v4.base64.channel.k8s.io",),
-        "v4.base64.channel.k8s.io",
-        True,
-        True,
-        False,
-    ),
-    Generation(
-        "ws-base64", True, ("base64.channel.k8s.io",), "base64.channel.k8s.io", False, True, False
-    ),
+    Generation("ws-v5", True, ("v5.channel.k8s.io",), True, True, True),
+    Generation("ws-v4", True, ("v4.channel.k8s.io",), True, True, False),
+    Generation("ws-v4-base64", True, ("v4.base64.channel.k8s.io",), True, True, False),
+    Generation("ws-base64", True, ("base64.channel.k8s.io",), False, True, False),
 ]
 ALL = SPDY + WEBSOCKET
 
@@ -112,31 +103,37 @@ async def run(
     return result, out.data, err.data
 
 
-def expect_exit(gen: Generation, code: int) -> ExecResult:
-    if code == 0:
-        return ExecResult(0, None)
-    if gen.json_status:
-        # client-go's rendering of the NonZeroExitCode Status (§4.4).
-        return ExecResult(code, f"command terminated with exit code {code}")
-    # v1-v3: text, and no exit code; "error executing remote command: <text>" (§4.4).
-    return ExecResult(1, "")  # the error text is checked separately
-
-
 # --------------------------------------------------------------------------- negotiation
 
 
-@pytest.mark.parametrize("gen", SPDY, ids=ids(SPDY))
-async def test_spdy_negotiates_the_first_offered_protocol_the_server_has(
-    api: Api, gen: Generation
+@pytest.mark.parametrize(
+    ("websocket", "offer", "negotiated"),
+    [
+        # SPDY: the first protocol the client lists that the server has; no v5 over SPDY.
+        (False, EXEC_SPDY_PROTOCOLS, "v4.channel.k8s.io"),
+        (False, ("v3.channel.k8s.io", "v4.channel.k8s.io"), "v3.channel.k8s.io"),
+        (False, ("v2.channel.k8s.io",), "v2.channel.k8s.io"),
+        (False, ("channel.k8s.io",), "channel.k8s.io"),
+        # WebSocket: the first listed value the server allows (§5.1).
+        (True, ("v5.channel.k8s.io", "v4.channel.k8s.io"), "v5.channel.k8s.io"),
+        (True, ("v4.base64.channel.k8s.io", "v5.channel.k8s.io"), "v4.base64.channel.k8s.io"),
+        (True, ("base64.channel.k8s.io",), "base64.channel.k8s.io"),
+    ],
+    ids=["spdy-kubectl", "spdy-v3-first", "spdy-v2", "spdy-v1", "ws-python", "ws-b64", "ws-v1"],
+)
+async def test_client_order_picks_the_protocol(
+    api: Api, websocket: bool, offer: tuple[str, ...], negotiated: str
 ) -> None:
     path = api.path("exec", exec_query(["true"]))
-    session, protocol, reader = await connect_spdy(api.endpoint, path, gen.offer)
-    try:
-        assert protocol == gen.negotiated
-    finally:
+    if websocket:
+        conn, protocol = await connect_websocket(api.endpoint, path, offer)
+        await conn.aclose()
+    else:
+        session, protocol, reader = await connect_spdy(api.endpoint, path, offer)
         await session.aclose()
         reader.cancel()
         await asyncio.gather(reader, return_exceptions=True)
+    assert protocol == negotiated
 
 
 # --------------------------------------------------------------------------- exit codes
@@ -157,11 +154,15 @@ async def test_exit_code_comes_back_in_the_status(
 ) -> None:
     result, out, err = await run(api, gen, command)
     assert (out, err) == (b"", b"")
-    expected = expect_exit(gen, code)
-    assert result.exit_code == expected.exit_code
-    if gen.json_status or code == 0:
-        assert result.error == expected.error
+    if code == 0:
+        assert result == ExecResult(0, None)
+    elif gen.json_status:
+        # client-go's rendering of the NonZeroExitCode Status (§4.4).
+        assert result == ExecResult(code, f"command terminated with exit code {code}")
     else:
+        # v1-v3: the text arrives as "error executing remote command: <text>" and no exit
+        # code is available (§4.4), so it is a plain failure.
+        assert result.exit_code == 1
         assert result.error is not None
         assert result.error.startswith(
             "error executing remote command: command terminated with non-zero exit code: "

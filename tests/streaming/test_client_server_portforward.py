@@ -242,3 +242,56 @@ async def test_websocket_client_leaving_releases_the_pod_connections(api: Api) -
     reader.cancel()
     await asyncio.gather(reader, return_exceptions=True)
     await api.pod_connections_closed()
+
+
+# --------------------------------------------------------------------------- pairing
+
+
+async def pair_and_forward(session: PortForwardSession, first: str, request_id: str | None) -> None:
+    """Open an error+data pair in the given order (requestid optional) and move data."""
+    streams = {}
+    for kind in (first, "data" if first == "error" else "error"):
+        headers = {"streamtype": kind, "port": str(ECHO_PORT)}
+        if request_id is not None:
+            headers["requestid"] = request_id
+        streams[kind] = await asyncio.wait_for(session.session.open_stream(headers), PROMPT_SECONDS)
+    await streams["error"].send_eof()
+    await streams["data"].send(b"paired")
+    await streams["data"].send_eof()
+    count, _ = await asyncio.wait_for(read_digest(streams["data"]), PROMPT_SECONDS)
+    assert count == len(b"paired")
+
+
+@pytest.mark.parametrize(
+    ("first", "request_id"),
+    [("data", "r1"), ("error", None)],
+    ids=["data-first", "no-requestid"],
+)
+async def test_streams_pair_in_either_order_and_without_requestid(
+    api: Api, first: str, request_id: str | None
+) -> None:
+    # Pairing is by requestid whatever the order; without one (old clients) the error
+    # stream's id and the data stream's id - 2 pair up (§3).
+    session = await connect(api, websocket=False)
+    try:
+        await pair_and_forward(session, first, request_id)
+    finally:
+        await session.aclose()
+
+
+async def test_duplicate_stream_of_a_pending_request_is_reported_on_its_error_stream(
+    api: Api,
+) -> None:
+    session = await connect(api, websocket=False)
+    try:
+        headers = {"streamtype": "error", "port": str(ECHO_PORT), "requestid": "dup"}
+        error = await asyncio.wait_for(session.session.open_stream(headers), PROMPT_SECONDS)
+        await error.send_eof()
+        with pytest.raises(StreamError):
+            second = await asyncio.wait_for(session.session.open_stream(headers), PROMPT_SECONDS)
+            await asyncio.wait_for(second.receive(), PROMPT_SECONDS)  # reset, if not refused
+        text = await asyncio.wait_for(error.receive(), PROMPT_SECONDS)
+        assert text == b"error processing stream for request dup: error stream already assigned"
+        await asyncio.wait_for(echo_round_trip(session, seed=5, size=MIB), PROMPT_SECONDS)
+    finally:
+        await session.aclose()

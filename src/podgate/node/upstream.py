@@ -38,6 +38,10 @@ PORTFORWARD_IDLE_SECONDS = 60.0
 ERROR_TEXT_WAIT_SECONDS = 1.0
 # Most error text kept from one pair's error stream (the runtime's is one line).
 ERROR_TEXT_MAX_BYTES = 64 * 1024
+# After a clean end of the data stream, how long error text may still take to arrive (it is
+# written right after the end, on the same connection; only a pair that ended cleanly and
+# whose error stream stays open pays this).
+ERROR_TEXT_AFTER_EOF_SECONDS = 0.25
 # apimachinery's NewInternalError prefix; the gateway's own Status adds it again.
 _INTERNAL_ERROR_PREFIX = "Internal error occurred: "
 
@@ -256,6 +260,7 @@ class UpstreamStream(ByteStream):
         self._data = forwarded.data
         self._error_stream = forwarded.error_stream
         self._error_text = bytearray()
+        self._text_arrived = asyncio.Event()
         self._on_close: Callable[[], None] | None = on_close
         # Read from the start, as client-go does: the runtime may write it at any time.
         self._error_reader = asyncio.create_task(self._read_error(), name=f"pf {port} error")
@@ -269,14 +274,22 @@ class UpstreamStream(ByteStream):
             while chunk := await self._error_stream.receive():
                 room = ERROR_TEXT_MAX_BYTES - len(self._error_text)
                 self._error_text += chunk[: max(room, 0)]
+                self._text_arrived.set()
 
     async def _upstream_error(self, *, wait: bool) -> UpstreamForwardError | None:
         if wait:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(self._error_reader), ERROR_TEXT_WAIT_SECONDS)
         else:
-            # Text sent before the data stream's end is already queued: let the reader take it.
-            await asyncio.sleep(0)
+            # containerd ends the data stream before it writes the error text, so the text may
+            # still be on its way: wait briefly for text, or for the error stream's end.
+            texted = asyncio.ensure_future(self._text_arrived.wait())
+            await asyncio.wait(
+                {texted, self._error_reader},
+                timeout=ERROR_TEXT_AFTER_EOF_SECONDS,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            texted.cancel()
         if self._error_text:
             return UpstreamForwardError(self.error_text)
         return None

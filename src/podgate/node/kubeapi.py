@@ -172,6 +172,71 @@ class PodSource(Protocol):
         ...
 
 
+def aggregated_discovery_version(accept: str) -> str | None:
+    """The aggregated discovery version the client asks for first ("v2", "v2beta1"), if any:
+    kubectl 1.30+ prefers v2, 1.27–1.29 offer v2beta1; plain JSON gets legacy discovery."""
+    for offer in accept.split(","):
+        params = {
+            k.strip(): v.strip() for k, _, v in (p.partition("=") for p in offer.split(";")[1:])
+        }
+        if (
+            params.get("g") == "apidiscovery.k8s.io"
+            and params.get("as") == "APIGroupDiscoveryList"
+            and params.get("v") in ("v2", "v2beta1")
+        ):
+            return params["v"]
+    return None
+
+
+def aggregated_discovery(version: str, *, core: bool) -> dict[str, Any]:
+    """APIGroupDiscoveryList: the core group's pods and subresources (`/api`), or no groups
+    (`/apis`). Saves kubectl the `/api/v1` request."""
+    items: list[dict[str, Any]] = []
+    if core:
+        subresources = [
+            {
+                "subresource": name,
+                "responseKind": {"group": "", "version": "v1", "kind": kind},
+                "verbs": verbs,
+            }
+            for name, kind, verbs in (
+                ("exec", "PodExecOptions", ["create", "get"]),
+                ("attach", "PodAttachOptions", ["create", "get"]),
+                ("portforward", "PodPortForwardOptions", ["create", "get"]),
+                ("log", "Pod", ["get"]),
+            )
+        ]
+        items.append(
+            {
+                "metadata": {"creationTimestamp": None},
+                "versions": [
+                    {
+                        "version": "v1",
+                        "freshness": "Current",
+                        "resources": [
+                            {
+                                "resource": "pods",
+                                "responseKind": {"group": "", "version": "v1", "kind": "Pod"},
+                                "scope": "Namespaced",
+                                "singularResource": "pod",
+                                "shortNames": ["po"],
+                                "categories": ["all"],
+                                "verbs": ["get", "list"],
+                                "subresources": subresources,
+                            }
+                        ],
+                    }
+                ],
+            }
+        )
+    return {
+        "kind": "APIGroupDiscoveryList",
+        "apiVersion": f"apidiscovery.k8s.io/{version}",
+        "metadata": {},
+        "items": items,
+    }
+
+
 # kubectl prints these columns; priority 1 only with -o wide.
 _TABLE_COLUMNS = (
     ("Name", 0),
@@ -339,7 +404,14 @@ class KubeApi:
             if denied is not None:
                 await self._send_status(conn, handshake, 403, "Forbidden", denied)
                 return handshake.must_close
-        if path == "/api":
+        aggregated = aggregated_discovery_version(request.header("accept") or "")
+        if path in ("/api", "/apis") and aggregated is not None:
+            body = aggregated_discovery(aggregated, core=path == "/api")
+            content_type = (
+                f"application/json;g=apidiscovery.k8s.io;v={aggregated};as=APIGroupDiscoveryList"
+            )
+            await self._send_json(conn, handshake, body, content_type)
+        elif path == "/api":
             await self._send_json(conn, handshake, API_VERSIONS)
         elif path == "/apis":
             await self._send_json(conn, handshake, API_GROUPS)

@@ -112,6 +112,7 @@ class ChannelSession:
         *,
         name: str = "ws",
         inbound: Iterable[int] | None = None,
+        idle_timeout: float | None = None,
     ) -> None:
         self._wire = wire
         self._core = core
@@ -119,6 +120,7 @@ class ChannelSession:
         # Channels the peer may send on. Data for others is dropped, as upstream does: a
         # channel nobody reads must not stall the ones that are read.
         self._inbound = set(inbound) if inbound is not None else None
+        self._idle_timeout = idle_timeout
         self.name = name
         self.close_code: int | None = None
         self.broken: BrokenStreamError | None = None
@@ -146,7 +148,15 @@ class ChannelSession:
     async def run(self) -> None:
         try:
             while True:
-                data = await self._wire.receive()
+                try:
+                    data = await asyncio.wait_for(self._wire.receive(), self._idle_timeout)
+                except TimeoutError:
+                    # Clients ping every few seconds; this long without a frame means gone.
+                    log.info("%s: idle for %.0f s, closing", self.name, self._idle_timeout or 0)
+                    with contextlib.suppress(ProtocolError):
+                        self._core.close(1001, "idle timeout")
+                    self._flush()
+                    break
                 try:
                     events = self._core.receive_data(data if data else None)
                 except ProtocolError as exc:

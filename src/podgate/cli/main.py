@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from podgate import __version__
+from podgate.cli.agent import agent
 from podgate.cli.demo import demo
 from podgate.cli.node import node
 from podgate.cli.runtime import runtime
@@ -17,6 +18,7 @@ def main() -> None:
     """podgate: Kubernetes exec, attach and port-forward that work for every pod sandbox."""
 
 
+main.add_command(agent)
 main.add_command(demo)
 main.add_command(node)
 main.add_command(runtime)

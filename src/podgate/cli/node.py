@@ -59,6 +59,12 @@ def gateway_options(f: click.decorators.FC) -> click.decorators.FC:
             click.option("--max-streams-per-user", default=64, show_default=True),
             click.option("--max-streams-per-pod", default=128, show_default=True),
             click.option(
+                "--stream-idle-timeout",
+                default=4 * 3600.0,
+                show_default=True,
+                help="Seconds without traffic before a stream is closed.",
+            ),
+            click.option(
                 "--plain-http",
                 is_flag=True,
                 help="Serve plain HTTP without authentication (loopback only).",
@@ -82,6 +88,7 @@ def make_config(
     max_bytes_per_sec: float | None,
     max_streams_per_user: int,
     max_streams_per_pod: int,
+    stream_idle_timeout: float,
     plain_http: bool,
 ) -> GatewayConfig:
     return GatewayConfig(
@@ -95,6 +102,7 @@ def make_config(
         metrics_port=metrics_port,
         limits=Limits(max_streams_per_user, max_streams_per_pod, max_bytes_per_sec),
         plain_http=plain_http,
+        idle_timeout=stream_idle_timeout,
     )
 
 

@@ -6,7 +6,12 @@ import click
 
 from podgate.aio.loop import run
 from podgate.cli.logs import setup_logging
-from podgate.runtime.daemon import DEFAULT_STATE_DIR, RuntimeConfig, run_daemon
+from podgate.runtime.daemon import (
+    DEFAULT_STATE_DIR,
+    RuntimeConfig,
+    parse_backend_options,
+    run_daemon,
+)
 from podgate.runtime.streaming import DEFAULT_STREAM_IDLE_TIMEOUT_SECONDS, InsecureAddressError
 
 
@@ -33,6 +38,14 @@ from podgate.runtime.streaming import DEFAULT_STREAM_IDLE_TIMEOUT_SECONDS, Insec
     help="Seconds without traffic before a stream is closed.",
 )
 @click.option(
+    "--backend",
+    "backends",
+    multiple=True,
+    metavar="HANDLER=NAME[,NAME...]",
+    help="Port-forward backends for pods of a runtime handler, tried in order (netns, agent, "
+    "exec; HANDLER empty = the default). Default: =netns and sandboxed=agent,exec.",
+)
+@click.option(
     "--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True
 )
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
@@ -43,6 +56,7 @@ def runtime(
     stream_port: int,
     stream_socket: str,
     stream_idle_timeout: float,
+    backends: tuple[str, ...],
     log_format: str,
     verbose: bool,
 ) -> None:
@@ -53,6 +67,10 @@ def runtime(
     at its streaming server on loopback (or a unix socket) with one-time tokens.
     """
     setup_logging(log_format, verbose)
+    try:
+        chosen = parse_backend_options(backends)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--backend") from exc
     config = RuntimeConfig(
         state_dir=state_dir,
         cri_socket=cri_socket,
@@ -60,6 +78,7 @@ def runtime(
         stream_port=stream_port,
         stream_socket=stream_socket,
         stream_idle_timeout=stream_idle_timeout,
+        backends=chosen,
     )
     try:
         run(run_daemon(config))

@@ -349,6 +349,7 @@ class GatewayConfig:
     metrics_port: int = 0  # 0 = no metrics endpoint
     limits: Limits = field(default_factory=Limits)
     plain_http: bool = False  # loopback only; kubectl then sends no credentials
+    idle_timeout: float = 4 * 3600.0  # seconds without traffic before a stream is closed
 
 
 def load_guard(config: GatewayConfig, metrics: Metrics | None = None) -> Gate:

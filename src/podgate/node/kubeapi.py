@@ -31,6 +31,8 @@ from podgate.streaming.target import PodRef, StreamTarget
 log = logging.getLogger(__name__)
 
 JSON = "application/json"
+# Streams with no traffic for this long are closed (the kubelet's streamingConnectionIdleTimeout).
+DEFAULT_IDLE_TIMEOUT_SECONDS = 4 * 3600.0
 TABLE_CONTENT_TYPE = "application/json;as=Table;v=v1;g=meta.k8s.io"
 
 _POD_PATH = re.compile(
@@ -342,9 +344,16 @@ _SUBRESOURCE_VERBS = {
 class KubeApi:
     """Serves the API requests kubectl makes for pods and their streams."""
 
-    def __init__(self, source: PodSource, *, guard: Guard | None = None) -> None:
+    def __init__(
+        self,
+        source: PodSource,
+        *,
+        guard: Guard | None = None,
+        idle_timeout: float | None = DEFAULT_IDLE_TIMEOUT_SECONDS,
+    ) -> None:
         self.source = source
         self.guard = guard
+        self.idle_timeout = idle_timeout
 
     async def _pods(self) -> list[PodView]:
         try:
@@ -513,7 +522,9 @@ class KubeApi:
                 return handshake.must_close
         if self.guard is None:
             what = StreamRequest(kind, pod.ref, container=container)
-            await serve_stream(conn, handshake, request, what, self.source.target)
+            await serve_stream(
+                conn, handshake, request, what, self.source.target, idle_timeout=self.idle_timeout
+            )
             return True
         name = next((c.name for c in pod.containers if c.id == container), container)
         admitted = self.guard.admit(who, kind.name.lower(), pod, name, request)
@@ -523,7 +534,9 @@ class KubeApi:
         what = StreamRequest(kind, pod.ref, container=container, hooks=admitted.hooks)
         outcome, detail = "error", ""
         try:
-            code = await serve_stream(conn, handshake, request, what, self.source.target)
+            code = await serve_stream(
+                conn, handshake, request, what, self.source.target, idle_timeout=self.idle_timeout
+            )
             outcome = "completed"
             detail = "" if code is None else f"exit code {code}"
         except Exception as exc:

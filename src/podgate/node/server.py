@@ -123,7 +123,9 @@ async def running_gateway(
         ssl_context = credentials.pki.server_ssl_context()
     gate = load_guard(config)
     # Plain HTTP is for loopback experiments: kubectl sends no credentials over it.
-    api = KubeApi(source, guard=None if config.plain_http else gate)
+    api = KubeApi(
+        source, guard=None if config.plain_http else gate, idle_timeout=config.idle_timeout
+    )
     server = await api.serve(config.host, config.port, ssl_context=ssl_context)
     port = server.sockets[0].getsockname()[1]
     url = f"{scheme}://{host}:{port}"

@@ -10,20 +10,45 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from podgate.backends.base import Backends
+from podgate.backends.agent import AgentBackend
+from podgate.backends.base import Backend, Backends, BackendUnavailableError
+from podgate.backends.exec import ExecBackend
 from podgate.backends.netns import NetnsBackend
 from podgate.runtime.cri.service import serve_cri, stop_cri
+from podgate.runtime.model import PodRecord
 from podgate.runtime.runtime import Runtime
+from podgate.runtime.sandbox import lifecycle as sandbox
 from podgate.runtime.streaming import DEFAULT_STREAM_IDLE_TIMEOUT_SECONDS, StreamingServer
 from podgate.runtime.target import RuntimeTarget
 
 log = logging.getLogger(__name__)
 
 DEFAULT_STATE_DIR = "/var/lib/podgate"
+BACKEND_NAMES = ("netns", "agent", "exec")
+
+
+def default_backends() -> dict[str, list[str]]:
+    """Port-forward backends per runtime handler, tried in order ("" = every other handler)."""
+    return {"": ["netns"], sandbox.HANDLER: ["agent", "exec"]}
+
+
+def parse_backend_options(values: Sequence[str]) -> dict[str, list[str]]:
+    """`HANDLER=NAME[,NAME...]` options over the defaults; ValueError says what is wrong."""
+    chosen = default_backends()
+    for value in values:
+        handler, sep, names_text = value.partition("=")
+        names = [n.strip() for n in names_text.split(",") if n.strip()]
+        if not sep or not names:
+            raise ValueError(f"--backend {value!r}: want HANDLER=NAME[,NAME...]")
+        unknown = [n for n in names if n not in BACKEND_NAMES]
+        if unknown:
+            raise ValueError(f"--backend {value!r}: unknown backend {unknown[0]!r}")
+        chosen[handler.strip()] = names
+    return chosen
 
 
 @dataclass(slots=True)
@@ -34,6 +59,7 @@ class RuntimeConfig:
     stream_port: int = 0
     stream_socket: str = ""  # a unix socket instead of TCP
     stream_idle_timeout: float = DEFAULT_STREAM_IDLE_TIMEOUT_SECONDS
+    backends: dict[str, list[str]] = field(default_factory=default_backends)
 
     @property
     def cri_socket_path(self) -> str:
@@ -54,7 +80,18 @@ async def running_runtime(config: RuntimeConfig) -> AsyncIterator[RunningRuntime
     runtime = Runtime(config.state_dir)
     runtime.load()
     netns = NetnsBackend()
-    target = RuntimeTarget(runtime, Backends(netns))
+
+    async def restart_shim(pod: PodRecord) -> None:
+        try:
+            if await sandbox.ensure_shim(pod, runtime.store.run_path(pod.id)):
+                runtime.store.save_pod(pod)
+        except sandbox.SandboxError as exc:
+            raise BackendUnavailableError(str(exc)) from exc
+
+    agent = AgentBackend(runtime.store.run_path, restart_shim)
+    known: dict[str, Backend] = {"netns": netns, "agent": agent, "exec": ExecBackend(runtime)}
+    chains = {h: [known[n] for n in names] for h, names in config.backends.items()}
+    target = RuntimeTarget(runtime, Backends(chains.pop("", [netns]), chains))
     streaming = StreamingServer(
         target,
         host=config.stream_address,
@@ -71,6 +108,7 @@ async def running_runtime(config: RuntimeConfig) -> AsyncIterator[RunningRuntime
     finally:
         await stop_cri(cri, config.cri_socket_path)
         await streaming.stop()
+        await agent.aclose()
         netns.worker.close()
 
 

@@ -116,6 +116,7 @@ async def ensure_example(runtime: Runtime, data: dict[str, Any]) -> str:
         PodConfig(
             metadata=PodMetadata(meta["name"], meta["namespace"], meta.get("uid", "")),
             hostname=data["pod"].get("hostname", ""),
+            runtime_handler=data["pod"].get("runtime_handler", ""),
         )
     )
     for c in data["containers"]:

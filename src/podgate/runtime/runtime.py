@@ -43,6 +43,7 @@ from podgate.runtime.model import (
     PodRecord,
     PodState,
 )
+from podgate.runtime.sandbox import lifecycle as sandbox
 from podgate.runtime.store import Store
 from podgate.runtime.streaming import PendingStream, StreamingServer
 from podgate.streaming.target import PodRef
@@ -213,6 +214,7 @@ class Runtime:
                 log_file=str(run / "holder.log"),
             )
             pod.holder, pod.ns_process = holder, ns_process
+            await sandbox.start_for_pod(pod, run)  # sandboxed pods: the guest, shim and agent
             pod.state = PodState.READY
             self.store.ensure_dir(log_dir)
             self.pods[pod_id] = pod
@@ -228,6 +230,7 @@ class Runtime:
         async with self._lock(pod.id):
             for container in self.pod_containers(pod.id):
                 await self._stop_container(container, POD_STOP_GRACE_SECONDS)
+            await sandbox.stop_for_pod(pod)  # sandboxed pods: the shim and the guest
             if pod.holder is not None:
                 await holder_mod.stop_holder(pod.holder)
             pod.state = PodState.NOTREADY
@@ -323,7 +326,7 @@ class Runtime:
                 tty=spec.tty,
                 stdin=spec.stdin,
                 stdin_once=spec.stdin_once,
-                ns_pid=pod.ns_process.pid,
+                ns_pid=sandbox.container_ns_pid(pod),  # the guest's, for sandboxed pods
                 pid_mode=spec.pid_mode
                 if pod.pid_mode is not NamespaceMode.POD
                 else NamespaceMode.POD,

@@ -111,6 +111,7 @@ async def serve_stream(
 
     async def run(io: ExecIO) -> int:
         assert options is not None
+        io = _limited(io, what.hooks)
         if what.kind is StreamKind.ATTACH:
             return await target.attach(what.pod, container, io)
         return await target.exec(what.pod, container, options.command, io)
@@ -140,7 +141,11 @@ async def serve_stream(
         if options.tty:
             inbound.add(4)
     channels = ChannelSession(
-        conn, ChannelConnection(WsRole.SERVER, decision.protocol), name=label, inbound=inbound
+        conn,
+        ChannelConnection(WsRole.SERVER, decision.protocol),
+        name=label,
+        inbound=inbound,
+        idle_timeout=idle_timeout,
     )
     if what.kind is StreamKind.PORTFORWARD:
         reader = asyncio.create_task(channels.run(), name=f"{label} read loop")
@@ -154,6 +159,19 @@ async def serve_stream(
         return None
     assert options is not None
     return await serve_ws_exec(channels, options, run)
+
+
+def _limited(io: ExecIO, hooks: SessionHooks) -> ExecIO:
+    """The client's stdio under the session's rate limit, if it has one."""
+    if not hooks.max_bytes_per_sec:
+        return io
+    return ExecIO(
+        stdin=hooks.wrap(io.stdin) if io.stdin else None,
+        stdout=hooks.wrap(io.stdout) if io.stdout else None,
+        stderr=hooks.wrap(io.stderr) if io.stderr else None,
+        tty=io.tty,
+        resizes=io.resizes,
+    )
 
 
 def _port_headers(ports: list[int]) -> list[tuple[int, bytes]]:

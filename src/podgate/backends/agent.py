@@ -1,0 +1,157 @@
+"""Port-forward through the pod's sandbox shim (containerd PR #4814's shim API): listen on a fresh
+unix socket, ask the shim to forward `port` to it, accept the one connection it dials back.
+
+The shim and its in-guest agent do the rest; this side never sees the guest. A shim that is not
+running is started again once (through `restart`) before the backend reports it unavailable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import socket
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Final
+
+from podgate.aio.errors import BrokenStreamError, ConnectError, ForwardError
+from podgate.aio.streams import DEFAULT_RECEIVE_BYTES, Buffer, ByteStream, SocketStream
+from podgate.aio.ttrpc import TtrpcClient, TtrpcClosedError
+from podgate.backends.base import BackendError, BackendUnavailableError
+from podgate.proto.portforward import forward_error_message
+from podgate.proto.ttrpc import Code, TtrpcError
+from podgate.runtime.model import PodRecord
+from podgate.runtime.sandbox import shim_pb2
+from podgate.runtime.sandbox.lifecycle import shim_socket
+
+SHIM_SERVICE: Final = "podgate.shim.v1.Shim"
+# containerd PR #4814: exactly one connection, within 10 s of the call's success.
+ACCEPT_TIMEOUT_SECONDS: Final = 10.0
+# The shim may wait 5 s for a restarting agent, 10 s for its answer and 10 s for its dial-back.
+CALL_TIMEOUT_SECONDS: Final = 30.0
+
+RunDir = Callable[[str], Path]
+Restart = Callable[[PodRecord], Awaitable[None]]
+
+
+class AgentBackend:
+    name = "agent"
+
+    def __init__(self, run_dir: RunDir, restart: Restart | None = None) -> None:
+        self._run_dir = run_dir
+        self._restart = restart
+        self._clients: dict[str, TtrpcClient] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    async def open(self, pod: PodRecord, port: int) -> ByteStream:
+        path = self._run_dir(pod.id) / f"pf-{secrets.token_hex(4)}.sock"
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            listener.bind(str(path))
+            listener.listen(1)
+            listener.setblocking(False)
+            await self._port_forward(pod, port, f"unix://{path}")
+            try:
+                async with asyncio.timeout(ACCEPT_TIMEOUT_SECONDS):
+                    conn, _ = await asyncio.get_running_loop().sock_accept(listener)
+            except TimeoutError:
+                raise BackendError(f"port forwarding timeout for sandbox {pod.id!r}") from None
+        finally:
+            listener.close()
+            path.unlink(missing_ok=True)
+        return _AgentStream(await SocketStream.from_socket(conn), pod, port)
+
+    async def _port_forward(self, pod: PodRecord, port: int, addr: str) -> None:
+        request = shim_pb2.PortForwardRequest(id=pod.id, port=port, addr=addr)
+        for attempt in range(2):
+            client = await self._client(pod)
+            try:
+                await client.call(
+                    SHIM_SERVICE,
+                    "PortForward",
+                    request.SerializeToString(),
+                    timeout=CALL_TIMEOUT_SECONDS,
+                )
+                return
+            except TtrpcClosedError as exc:
+                # A connection to a shim that has since died: once more, on a new one.
+                self._clients.pop(pod.id, None)
+                if attempt:
+                    raise BackendUnavailableError(
+                        f"the sandbox shim of pod {pod.id} went away: {exc.message}"
+                    ) from exc
+            except TtrpcError as exc:
+                if exc.code == Code.UNIMPLEMENTED:
+                    raise BackendUnavailableError(
+                        f"the sandbox shim of pod {pod.id} cannot forward ports: {exc.message}"
+                    ) from exc
+                if exc.code == Code.UNAVAILABLE:
+                    raise BackendUnavailableError(exc.message) from exc
+                raise BackendError(exc.message) from exc
+
+    async def _client(self, pod: PodRecord) -> TtrpcClient:
+        for pod_id in [k for k, c in self._clients.items() if c.closed]:
+            del self._clients[pod_id]
+        lock = self._locks.setdefault(pod.id, asyncio.Lock())
+        async with lock:
+            client = self._clients.get(pod.id)
+            if client is not None:
+                return client
+            path = str(shim_socket(self._run_dir(pod.id)))
+            try:
+                client = await TtrpcClient.connect_unix(path, name=f"shim {pod.id[:12]}")
+            except (ConnectError, OSError) as exc:
+                if self._restart is None:
+                    raise BackendUnavailableError(
+                        f"the sandbox shim of pod {pod.id} is not running: {exc}"
+                    ) from exc
+                await self._restart(pod)
+                try:
+                    client = await TtrpcClient.connect_unix(path, name=f"shim {pod.id[:12]}")
+                except (ConnectError, OSError) as again:
+                    raise BackendUnavailableError(
+                        f"the sandbox shim of pod {pod.id} does not answer: {again}"
+                    ) from again
+            self._clients[pod.id] = client
+            return client
+
+    async def aclose(self) -> None:
+        clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            await client.aclose()
+
+
+class _AgentStream(ByteStream):
+    """The dial-back connection; a broken one is reported to the client, not taken for EOF."""
+
+    def __init__(self, inner: SocketStream, pod: PodRecord, port: int) -> None:
+        self._inner = inner
+        self._pod = pod
+        self._port = port
+
+    def _lost(self, exc: BrokenStreamError) -> ForwardError:
+        reason = f"the connection through the sandbox agent broke: {exc}"
+        return ForwardError(
+            forward_error_message(self._port, self._pod.id, self._pod.metadata.uid, reason)
+        )
+
+    async def receive(self, max_bytes: int = DEFAULT_RECEIVE_BYTES) -> bytes:
+        try:
+            return await self._inner.receive(max_bytes)
+        except BrokenStreamError as exc:
+            raise self._lost(exc) from exc
+
+    async def send(self, data: Buffer) -> None:
+        try:
+            await self._inner.send(data)
+        except BrokenStreamError as exc:
+            raise self._lost(exc) from exc
+
+    async def send_eof(self) -> None:
+        try:
+            await self._inner.send_eof()
+        except BrokenStreamError as exc:
+            raise self._lost(exc) from exc
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()

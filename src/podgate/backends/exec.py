@@ -1,0 +1,236 @@
+"""Port-forward by running a forwarder inside the pod's first running container (the fallback
+containerd #6638 and Windows' wincat use): its stdin and stdout are the connection.
+
+The first of these the container has is used (one probe per container, then remembered):
+`python -m podgate agent forward PORT` (where podgate is importable there: containers sharing
+the host's filesystem), `socat`, `busybox nc`, and a few lines of `python3`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Final, Protocol
+
+from podgate.aio.errors import ForwardError
+from podgate.aio.splice import HALF_CLOSE_GRACE_SECONDS
+from podgate.aio.streams import DEFAULT_RECEIVE_BYTES, Buffer, ByteStream
+from podgate.backends.base import BackendUnavailableError
+from podgate.proto.portforward import forward_error_message
+from podgate.runtime.model import ContainerRecord, ContainerState, PodRecord
+
+# How long the probe for a forwarder may take (an interpreter start or two), seconds.
+PROBE_TIMEOUT_SECONDS: Final = 15.0
+# At EOF of the forwarder's stdout, how long to wait for it to exit and say whether it failed
+# (a refused connect exits at once; a half-closed one keeps running), seconds.
+EXIT_CHECK_SECONDS: Final = 0.2
+# After our side closes, how long the forwarder may take to exit before SIGKILL, seconds.
+EXIT_WAIT_SECONDS: Final = 2.0
+# stderr kept for the error message; a forwarder says what went wrong in a line or two.
+STDERR_LIMIT_BYTES: Final = 4096
+# Containers whose probe result is remembered; past this the memory starts over.
+TOOL_CACHE_ENTRIES: Final = 4096
+# socat's copy buffer: its 8 KiB default costs a wake-up per 8 KiB.
+SOCAT_BUFFER_BYTES: Final = 128 * 1024
+
+NO_TOOL: Final = "no port-forward tool in the container: install socat, busybox or python3"
+
+# stdin → 127.0.0.1:PORT (then ::1) → stdout, with half-close both ways.
+PYTHON_FORWARDER: Final = r"""
+import os, socket, sys, threading
+port, err = int(sys.argv[1]), None
+for host in ("127.0.0.1", "::1"):
+    try:
+        conn = socket.create_connection((host, port))
+        break
+    except OSError as e:
+        err = e
+else:
+    sys.exit(f"connect to localhost:{port}: {err}")
+def upload():
+    while data := os.read(0, 65536):
+        conn.sendall(data)
+    conn.shutdown(socket.SHUT_WR)
+uploader = threading.Thread(target=upload, daemon=True)
+uploader.start()
+while data := conn.recv(65536):
+    view = memoryview(data)
+    while view:
+        view = view[os.write(1, view):]
+os.close(1)
+uploader.join()
+"""
+
+# Prints the first forwarder the container has; $1 is the runtime's own interpreter.
+PROBE_SCRIPT: Final = r"""
+for py in "$1" python3; do
+  if command -v "$py" >/dev/null 2>&1 && "$py" -c 'import podgate.agent' >/dev/null 2>&1; then
+    echo "podgate $(command -v "$py")"; exit 0
+  fi
+done
+if command -v socat >/dev/null 2>&1; then echo socat; exit 0; fi
+if command -v busybox >/dev/null 2>&1 && busybox --list | grep -qx nc; then echo busybox; exit 0; fi
+if command -v python3 >/dev/null 2>&1; then echo python3; exit 0; fi
+echo none
+"""
+
+
+class ExecRuntime(Protocol):
+    def pod_containers(self, pod_id: str) -> list[ContainerRecord]: ...
+
+    def exec_argv(self, container: ContainerRecord, command: Sequence[str]) -> list[str]: ...
+
+
+def forwarder_argv(tool: str, port: int) -> list[str]:
+    """The command for `tool` as the probe names it ("podgate PATH", "socat", ...)."""
+    name, _, python = tool.partition(" ")
+    if name == "podgate":
+        return [python, "-m", "podgate", "agent", "forward", str(port)]
+    if name == "socat":
+        grace = f"{HALF_CLOSE_GRACE_SECONDS:g}"
+        return ["socat", "-b", str(SOCAT_BUFFER_BYTES), "-t", grace, "-", f"TCP:127.0.0.1:{port}"]
+    if name == "busybox":
+        return ["busybox", "nc", "127.0.0.1", str(port)]
+    if name == "python3":
+        return ["python3", "-c", PYTHON_FORWARDER, str(port)]
+    raise ValueError(f"unknown forwarder {tool!r}")
+
+
+class ExecBackend:
+    name = "exec"
+
+    def __init__(self, runtime: ExecRuntime, *, interpreter: str = sys.executable) -> None:
+        self.runtime = runtime
+        # Tried before the container's python3: the runtime's own, which has podgate, is there
+        # for containers that share the host's filesystem.
+        self.interpreter = interpreter
+        self._tools: dict[str, str] = {}  # container id -> what the probe found
+
+    async def open(self, pod: PodRecord, port: int) -> ByteStream:
+        running = [
+            c
+            for c in self.runtime.pod_containers(pod.id)
+            if c.state is ContainerState.RUNNING and c.process is not None
+        ]
+        if not running:
+            raise BackendUnavailableError(
+                f"no running container in pod {pod.id} to run a port-forward tool in"
+            )
+        container = running[0]
+        tool = self._tools.get(container.id)
+        if tool is None:
+            tool = await self._probe(container)
+            if len(self._tools) >= TOOL_CACHE_ENTRIES:
+                self._tools.clear()
+            self._tools[container.id] = tool
+        if tool == "none":
+            raise BackendUnavailableError(NO_TOOL)
+        process = await asyncio.create_subprocess_exec(
+            *self.runtime.exec_argv(container, forwarder_argv(tool, port)),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
+            limit=DEFAULT_RECEIVE_BYTES,
+        )
+        label = f"{tool.split()[0]} in container {container.metadata.name}"
+        return ProcessStream(
+            process, label, forward_error_message(port, pod.id, pod.metadata.uid, "")
+        )
+
+    async def _probe(self, container: ContainerRecord) -> str:
+        argv = self.runtime.exec_argv(
+            container, ["sh", "-c", PROBE_SCRIPT, "probe", self.interpreter]
+        )
+        process = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        try:
+            async with asyncio.timeout(PROBE_TIMEOUT_SECONDS):
+                out, _ = await process.communicate()
+        except TimeoutError:
+            _kill_group(process)
+            await process.wait()
+            return "none"
+        lines = out.decode(errors="replace").splitlines()
+        return lines[-1].strip() if process.returncode == 0 and lines else "none"
+
+
+def _kill_group(process: asyncio.subprocess.Process) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+
+
+class ProcessStream(ByteStream):
+    """A forwarder's stdout/stdin as a byte stream; a forwarder that fails becomes a
+    ForwardError carrying what it printed on stderr."""
+
+    def __init__(self, process: asyncio.subprocess.Process, label: str, prefix: str) -> None:
+        assert process.stdin and process.stdout and process.stderr
+        self._process = process
+        self._stdin = process.stdin
+        self._stdout = process.stdout
+        self._label = label
+        self._prefix = prefix  # "error forwarding port P to pod ID, uid UID: "
+        self._stderr = bytearray()
+        self._stderr_task = asyncio.create_task(self._read_stderr(process.stderr))
+        self._closed = False
+
+    async def _read_stderr(self, stream: asyncio.StreamReader) -> None:
+        while chunk := await stream.read(STDERR_LIMIT_BYTES):
+            self._stderr += chunk[: STDERR_LIMIT_BYTES - len(self._stderr)]
+
+    async def _failure(self, wait: float) -> ForwardError | None:
+        """The forwarder's failure once it has exited non-zero within `wait` seconds."""
+        try:
+            async with asyncio.timeout(wait):
+                code = await self._process.wait()
+                await self._stderr_task
+        except TimeoutError:
+            return None
+        if code == 0:
+            return None
+        said = self._stderr.decode(errors="replace").strip() or f"exit status {code}"
+        return ForwardError(f"{self._prefix}{self._label}: {said}")
+
+    async def receive(self, max_bytes: int = DEFAULT_RECEIVE_BYTES) -> bytes:
+        chunk = await self._stdout.read(max_bytes)
+        if not chunk and (failure := await self._failure(EXIT_CHECK_SECONDS)) is not None:
+            raise failure
+        return chunk
+
+    async def send(self, data: Buffer) -> None:
+        try:
+            self._stdin.write(data)
+            await self._stdin.drain()
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            failure = await self._failure(EXIT_WAIT_SECONDS)
+            raise failure or ForwardError(f"{self._prefix}{self._label}: {exc}") from exc
+
+    async def send_eof(self) -> None:
+        if not self._stdin.is_closing():
+            self._stdin.close()
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            await self._stdin.wait_closed()
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await self.send_eof()
+        try:
+            async with asyncio.timeout(EXIT_WAIT_SECONDS):
+                await self._process.wait()
+        except TimeoutError:
+            _kill_group(self._process)
+            await self._process.wait()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._stderr_task

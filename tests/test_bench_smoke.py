@@ -290,7 +290,7 @@ def test_bench_gateway_part_runs_kubectl_through_podgate_node(tmp_path: Path) ->
 
     probe = section["disconnect"]
     assert "error" not in probe, probe
-    assert isinstance(probe["exec_left_running"], bool)
+    assert probe["exec_left_running"] is False  # the exec stops when its client goes
     assert probe["bytes_before_kill"] > 0
 
     pids = section["meta"]["pids"]

@@ -2,10 +2,14 @@
 
 For forwarding through an exec session (what `wincat` or `socat - TCP:localhost:PORT` do):
 connect to 127.0.0.1:PORT, else [::1]:PORT, then copy stdin to the socket and the socket to
-stdout on two blocking threads, with `os.splice` where the kernel allows it (a pipe on one
-side) and read/write otherwise. stdin's EOF becomes a shutdown of our sending half; the
+stdout on two blocking threads. stdin's EOF becomes a shutdown of our sending half; the
 socket's EOF closes stdout. When one direction has finished, the other gets
 `HALF_CLOSE_GRACE_SECONDS`, then the process exits.
+
+Plain read/write, not `os.splice`: a splice between a pipe and a blocking socket holds the
+pipe's lock while it waits on the socket, so whoever holds the other end of our stdin or
+stdout pipe (an event loop, with the pipe non-blocking) would block inside read() or write()
+until the TCP peer moved — a deadlock when that same loop also drives the peer.
 
 Exit status: 0 when both directions ended cleanly, 1 when the port refused (containerd's
 message on stderr) or a copy failed.
@@ -25,11 +29,8 @@ from podgate.aio.splice import HALF_CLOSE_GRACE_SECONDS
 
 __all__ = ["COPY_CHUNK_BYTES", "copy_fd", "dial_localhost_blocking", "run_forward"]
 
-# Bytes moved per splice or read: a pipe holds 64 KiB by default; more per call means fewer
-# wake-ups when the kernel lets a pipe grow.
+# Bytes moved per read: larger reads mean fewer wake-ups for bulk transfers.
 COPY_CHUNK_BYTES: Final = 256 * 1024
-# splice() refuses when neither side is a pipe (EINVAL) or the fs does not support it.
-_NO_SPLICE: Final = frozenset({errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP})
 
 
 def _go_strerror(err: int) -> str:
@@ -74,25 +75,12 @@ def _write_all(fd: int, data: memoryview) -> None:
 def copy_fd(src: int, dst: int) -> int:
     """Copy `src` to `dst` until EOF on `src`; returns the bytes moved."""
     total = 0
-    use_splice = True
     buffer = bytearray(COPY_CHUNK_BYTES)
     view = memoryview(buffer)
-    while True:
-        if use_splice:
-            try:
-                moved = os.splice(src, dst, COPY_CHUNK_BYTES)
-            except OSError as exc:
-                if exc.errno not in _NO_SPLICE:
-                    raise
-                use_splice = False  # nothing moved: fall back without losing bytes
-                continue
-        else:
-            moved = os.readv(src, [buffer])
-            if moved:
-                _write_all(dst, view[:moved])
-        if moved == 0:
-            return total
+    while moved := os.readv(src, [buffer]):
+        _write_all(dst, view[:moved])
         total += moved
+    return total
 
 
 class _Direction(threading.Thread):

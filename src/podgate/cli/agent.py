@@ -7,6 +7,7 @@ import sys
 import click
 
 from podgate.agent.agent import DEFAULT_HOST, DEFAULT_LISTEN, SHUTDOWN_GRACE_SECONDS, serve
+from podgate.aio.errors import StreamError
 from podgate.aio.loop import run
 from podgate.cli.logs import setup_logging
 from podgate.linux.vsock import Address, AddressError, Scheme, parse_address
@@ -61,7 +62,10 @@ def serve_command(
     listen = _address(listen_address, (Scheme.VSOCK, Scheme.UNIX), with_port=True)
     host = _address(host_address, (Scheme.VSOCK, Scheme.HVSOCK), with_port=False)
     setup_logging(log_format, verbose)
-    run(serve(listen, host, shutdown_grace=shutdown_grace))
+    try:
+        run(serve(listen, host, shutdown_grace=shutdown_grace))
+    except (OSError, StreamError) as exc:
+        raise click.ClickException(f"cannot serve on {listen}: {exc}") from exc
 
 
 @agent.command("forward")

@@ -195,7 +195,11 @@ class Muxer:
         host_port = self.allocate_port()
         started = asyncio.get_running_loop().time()
         try:
-            host.write(b"OK %d\n" % host_port)
+            try:
+                host.write(b"OK %d\n" % host_port)
+            except StreamError as exc:
+                log.info("guest port %d: the host left before OK: %s", port, exc)
+                return
             result = await splice(host, guest)
         finally:
             self.release_port(host_port)

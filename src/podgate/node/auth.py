@@ -11,12 +11,12 @@ import csv
 import hashlib
 import hmac
 import logging
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Literal
 
+from podgate.node.watched import WatchedFile
 from podgate.proto.k8s import http_status_body
 
 log = logging.getLogger(__name__)
@@ -45,11 +45,6 @@ class _Entry:
     uid: str
 
 
-# (st_ino, st_size, st_mtime_ns): any edit, including replace-by-rename, changes one of them.
-_Stamp = tuple[int, int, int]
-_MISSING: _Stamp = (-1, -1, -1)  # the stamp of a file that is gone
-
-
 class TokenFile:
     """kube-apiserver's static token file: `token,user,uid[,"group1,group2"]` per line.
 
@@ -61,9 +56,7 @@ class TokenFile:
 
     def __init__(self, entries: Sequence[_Entry] = (), path: Path | None = None) -> None:
         self._entries: tuple[_Entry, ...] = tuple(entries)
-        self._path = path
-        self._stamp: _Stamp | None = None
-        self._failed_stamp: _Stamp | None = None
+        self._file = WatchedFile(path, _parse, TokenFileError, "token file") if path else None
 
     @classmethod
     def load(cls, path: Path | str) -> TokenFile:
@@ -90,45 +83,15 @@ class TokenFile:
         return found
 
     def _maybe_reload(self) -> None:
-        if self._path is not None:
+        if self._file is not None:
             self._reload(raise_errors=False)
 
     def _reload(self, *, raise_errors: bool) -> None:
-        assert self._path is not None
-        try:
-            before = _stamp(self._path)
-            if before in (self._stamp, self._failed_stamp):
-                return
-            entries = _parse(self._path.read_text(encoding="utf-8"), str(self._path))
-            after = _stamp(self._path)
-        except (OSError, UnicodeDecodeError, TokenFileError) as exc:
-            if raise_errors:
-                if isinstance(exc, TokenFileError):
-                    raise
-                raise TokenFileError(f"{self._path}: {exc}") from exc
-            stamp = _safe_stamp(self._path)
-            if stamp != self._failed_stamp:
-                # Once per bad version, not once per request.
-                log.error("token file not reloaded, keeping the previous tokens: %s", exc)
-            self._failed_stamp = stamp
-            return
-        self._entries = tuple(entries)
-        # Written while we read it: leave the stamp stale so the next lookup reads it again.
-        self._stamp = after if after == before else None
-        self._failed_stamp = None
-        log.info("loaded %d tokens from %s", len(entries), self._path)
-
-
-def _stamp(path: Path) -> _Stamp:
-    st = os.stat(path)
-    return (st.st_ino, st.st_size, st.st_mtime_ns)
-
-
-def _safe_stamp(path: Path) -> _Stamp:
-    try:
-        return _stamp(path)
-    except OSError:
-        return _MISSING
+        assert self._file is not None
+        entries = self._file.reload(raise_errors=raise_errors)
+        if entries is not None:
+            self._entries = tuple(entries)
+            log.info("loaded %d tokens from %s", len(entries), self._file.path)
 
 
 def _parse(text: str, source: str) -> list[_Entry]:

@@ -17,7 +17,6 @@ because ports travel inside the SPDY/WebSocket session, not in the upgrade reque
 from __future__ import annotations
 
 import logging
-import os
 import re
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from podgate.node.auth import UserInfo
+from podgate.node.watched import WatchedFile
 from podgate.proto.k8s import http_status_body
 
 log = logging.getLogger(__name__)
@@ -104,21 +104,23 @@ class Decision:
         return http_status_body(403, "Forbidden", self.reason)
 
 
-# (st_ino, st_size, st_mtime_ns): any edit, including replace-by-rename, changes one of them.
-_Stamp = tuple[int, int, int]
-_MISSING: _Stamp = (-1, -1, -1)  # the stamp of a file that is gone
-
-
 class Policy:
     """An ordered list of allow rules. Loaded from a file, it re-reads the file when it
     changes and keeps the previous rules (logging why) if the new version is invalid."""
 
     def __init__(self, rules: Sequence[Rule], *, path: Path | None = None) -> None:
         self._rules = tuple(rules)
-        self._path = path
         self._unconditional = False
-        self._stamp: _Stamp | None = None
-        self._failed_stamp: _Stamp | None = None
+        self._file = (
+            WatchedFile(
+                path,
+                lambda text, source: _parse(_toml(text, source), source),
+                PolicyError,
+                "policy",
+            )
+            if path is not None
+            else None
+        )
 
     @property
     def rules(self) -> tuple[Rule, ...]:
@@ -160,7 +162,7 @@ class Policy:
             raise ValueError(f"a port only applies to portforward, not {verb}")
         if self._unconditional:
             return Decision(True, "the policy allows all requests")
-        if self._path is not None:
+        if self._file is not None:
             self._reload(raise_errors=False)
         resource = "pods" if verb is Verb.LIST else f"pods/{pod}"
         target = f"{resource} in namespace {namespace}"
@@ -188,44 +190,11 @@ class Policy:
         return Decision(False, f"{who} may not {verb} {target}")
 
     def _reload(self, *, raise_errors: bool) -> None:
-        assert self._path is not None
-        try:
-            before = _stamp(self._path)
-            if before in (self._stamp, self._failed_stamp):
-                return
-            source = str(self._path)
-            with open(self._path, "rb") as f:
-                data = f.read()
-            rules = _parse(_toml(data.decode("utf-8"), source), source)
-            after = _stamp(self._path)
-        except (OSError, UnicodeDecodeError, PolicyError) as exc:
-            if raise_errors:
-                if isinstance(exc, PolicyError):
-                    raise
-                raise PolicyError(f"{self._path}: {exc}") from exc
-            stamp = _safe_stamp(self._path)
-            if stamp != self._failed_stamp:
-                # Once per bad version, not once per request.
-                log.error("policy not reloaded, keeping the previous rules: %s", exc)
-            self._failed_stamp = stamp
-            return
-        self._rules = tuple(rules)
-        # Written while we read it: leave the stamp stale so the next request reads it again.
-        self._stamp = after if after == before else None
-        self._failed_stamp = None
-        log.info("loaded %d policy rules from %s", len(rules), self._path)
-
-
-def _stamp(path: Path) -> _Stamp:
-    st = os.stat(path)
-    return (st.st_ino, st.st_size, st.st_mtime_ns)
-
-
-def _safe_stamp(path: Path) -> _Stamp:
-    try:
-        return _stamp(path)
-    except OSError:
-        return _MISSING
+        assert self._file is not None
+        rules = self._file.reload(raise_errors=raise_errors)
+        if rules is not None:
+            self._rules = tuple(rules)
+            log.info("loaded %d policy rules from %s", len(rules), self._file.path)
 
 
 # --- parsing ----------------------------------------------------------------------------------

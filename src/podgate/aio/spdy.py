@@ -377,6 +377,9 @@ class SpdySession:
         except StreamError as exc:
             self.broken = BrokenStreamError(f"connection lost: {exc}")
             raise self.broken from exc
+        # Let the read loop run even when the socket takes everything at once: a writer in a
+        # tight loop would otherwise never see the peer's RST_STREAM or GOAWAY.
+        await asyncio.sleep(0)
 
     def _touch(self) -> None:
         timeout = self._timeout

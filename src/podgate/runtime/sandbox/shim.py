@@ -474,12 +474,12 @@ class SandboxShim:
         agent = await self._agent_client()
         pool = await self._acquire((request.id, request.port))
         handed_over = False
+        arrival: _Arrival | None = None
         try:
             arrival = await self._ask_agent(agent, request, pool)
             try:
                 runtime_side = await vsock.connect(addr)
             except (ConnectError, OSError) as exc:
-                arrival.done.set()
                 raise TtrpcError(
                     Code.ABORTED, f"cannot dial back to {request.addr}: {exc}"
                 ) from exc
@@ -490,6 +490,8 @@ class SandboxShim:
             handed_over = True
         finally:
             if not handed_over:
+                if arrival is not None:
+                    arrival.done.set()  # its listener closes it
                 self._release(pool)
         return empty_pb2.Empty().SerializeToString()
 

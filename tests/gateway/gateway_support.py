@@ -73,6 +73,26 @@ def serve(port, handler):
 threading.Thread(target=serve, args=(SINK_PORT, sink), daemon=True).start()
 serve(ECHO_PORT, echo)
 """.replace("SINK_PORT", str(SINK_PORT)).replace("ECHO_PORT", str(ECHO_PORT))
+V6_ECHO_PORT = 7002
+# The same servers plus an echo bound only to ::1, for the sandboxed pod.
+SANDBOXED_DATA_SERVER = (
+    DATA_SERVER.replace(
+        "threading.Thread(target=serve, args=(",
+        "threading.Thread(target=lambda: serve6(V6_PORT, echo), daemon=True).start()\n"
+        "threading.Thread(target=serve, args=(",
+        1,
+    )
+    .replace(
+        "def serve(port, handler):",
+        "def serve6(port, handler):\n"
+        '    s = socket.create_server(("::1", port), family=socket.AF_INET6)\n'
+        "    while True:\n"
+        "        c, _ = s.accept()\n"
+        "        threading.Thread(target=handler, args=(c,), daemon=True).start()\n"
+        "def serve(port, handler):",
+    )
+    .replace("V6_PORT", str(V6_ECHO_PORT))
+)
 # One numbered line every 0.2 s; the trap lets SIGTERM end it at once when the pod is removed.
 LOGGER_SCRIPT = (
     "trap 'exit 0' TERM; i=0; while true; do i=$((i+1)); echo \"logger line $i\"; sleep 0.2; done"
@@ -88,16 +108,23 @@ def write_examples(directory: Path) -> None:
     pods: dict[str, dict[str, Any]] = {
         "data": {"name": "srv", "ports": [ECHO_PORT, SINK_PORT], "command": ["python3", "-c"]},
         "logger": {"name": "log", "command": ["sh", "-c", LOGGER_SCRIPT]},
+        "data-sandboxed": {
+            "name": "srv",
+            "ports": [ECHO_PORT, SINK_PORT, V6_ECHO_PORT],
+            "command": ["python3", "-c", SANDBOXED_DATA_SERVER],
+        },
     }
     pods["data"]["command"].append(DATA_SERVER)
     for name, container in pods.items():
-        spec = {
+        spec: dict[str, Any] = {
             "pod": {
                 "metadata": {"name": name, "namespace": "default", "uid": f"gw-{name}"},
                 "hostname": name,
             },
             "containers": [container],
         }
+        if name.endswith("-sandboxed"):
+            spec["pod"]["runtime_handler"] = "sandboxed"
         (directory / f"{name}.json").write_text(json.dumps(spec, indent=2))
 
 

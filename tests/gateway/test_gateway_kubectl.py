@@ -24,6 +24,7 @@ from gateway_support import (
     ECHO_PORT,
     LOGGER_LINE,
     SINK_PORT,
+    V6_ECHO_PORT,
     Gateway,
     matching,
     read_lines,
@@ -156,7 +157,9 @@ def test_get_pods(kubectl: Kubectl) -> None:
     lines = result.stdout.decode().splitlines()
     assert lines[0].split() == ["NAME", "READY", "STATUS", "RESTARTS", "AGE"]
     rows = {line.split()[0]: line.split()[1:3] for line in lines[1:]}
-    assert rows == {name: ["1/1", "Running"] for name in ("data", "hello", "logger", "shell")}
+    assert rows == {
+        name: ["1/1", "Running"] for name in ("data", "data-sandboxed", "hello", "logger", "shell")
+    }
 
 
 def test_get_one_pod_shows_its_status(gateway: Gateway) -> None:
@@ -330,3 +333,42 @@ def test_attach_client_leaving_ends_the_session(gateway: Gateway, name: str) -> 
     audit.wait_for(mark, matching(**fields, stage="started"))
     (finished,) = audit.wait_for(mark, matching(**fields, stage="finished"))
     assert finished["outcome"] in ("completed", "error")
+
+
+SANDBOX_CASES = [_case("1.27", "x509"), _case("1.33", "x509")]
+
+
+@pytest.mark.parametrize("sandbox_case", SANDBOX_CASES, ids=[c.id for c in SANDBOX_CASES])
+def test_port_forward_into_a_sandboxed_pod(
+    gateway: Gateway, payload: Payload, sandbox_case: Case
+) -> None:
+    """kubectl into a VM-style pod (its servers live in a guest netns the runtime's reported
+    pod netns cannot reach): 8 concurrent connections x 128 MiB = 1 GiB to a 127.0.0.1-only
+    sink, plus an echo bound only to ::1, through gateway → runtime → sandbox shim → agent."""
+    kubectl = kubectl_for(gateway, sandbox_case)
+    chunks = [payload.chunk(i, BIG_SINK_BYTES) for i in range(SINK_CONNECTIONS)]
+    local, local_v6 = free_port(), free_port()
+    mark = gateway.audit.mark()
+    with kubectl.port_forward("data-sandboxed", local, SINK_PORT) as forwarder:
+        with ThreadPoolExecutor(SINK_CONNECTIONS) as pool:
+            answers = list(
+                pool.map(lambda data: exchange_tcp(local, data, SINK_TIMEOUT_SECONDS), chunks)
+            )
+        assert forwarder.proc.poll() is None, forwarder.stderr
+    for i, answer in enumerate(answers):
+        assert answer.head.decode() == payload.digest(i, BIG_SINK_BYTES)
+    data = payload.chunk(0, 4 << 20)
+    with kubectl.port_forward("data-sandboxed", local_v6, V6_ECHO_PORT) as forwarder:
+        echoed = exchange_tcp(local_v6, data, SINK_TIMEOUT_SECONDS)
+        assert forwarder.proc.poll() is None, forwarder.stderr
+    assert echoed.nbytes == len(data) and echoed.sha256 == sha256_hex(data)
+    records = gateway.audit.wait_for(
+        mark,
+        lambda e: (
+            matching(**admin(sandbox_case), verb="portforward", pod="data-sandboxed")(e)
+            and "port" in e
+        ),
+        count=SINK_CONNECTIONS + 1,
+    )
+    assert sorted(r["port"] for r in records) == [SINK_PORT] * SINK_CONNECTIONS + [V6_ECHO_PORT]
+    assert {r["outcome"] for r in records} == {"allowed"}, records

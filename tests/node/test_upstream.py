@@ -526,3 +526,33 @@ async def test_gateway_exec_through_the_runtime(setup: Setup, target: CriTarget)
         await stderr.send_eof()
         assert await readers == [b"out\n", b"err\n"]
     assert (result.exit_code, result.error) == (3, "command terminated with exit code 3")
+
+
+# --------------------------------------------------------------------------- via CRI Exec
+
+
+async def test_port_forward_through_cri_exec(setup: Setup, client: CriClient) -> None:
+    """The exec forwarder: no CRI PortForward at all; a forwarder run through CRI Exec in the
+    pod's first running container carries each connection (what works with any runtime)."""
+    target = CriTarget(client, via_exec=True)
+    port_forwards = count_calls(client, "port_forward_url")
+    execs = count_calls(client, "exec_url")
+    try:
+        async with asyncio.timeout(STEP_SECONDS):
+            streams = [await target.open_port(setup.pod, ECHO_PORT) for _ in range(2)]
+            try:
+                await asyncio.gather(*(echo_check(s, TRANSFER_BYTES) for s in streams))
+            finally:
+                for s in streams:
+                    await s.aclose()
+            refused = await target.open_port(setup.pod, CLOSED_PORT)
+            try:
+                with pytest.raises(ForwardError) as info:
+                    await read_all(refused)
+            finally:
+                await refused.aclose()
+    finally:
+        await target.aclose()
+    assert port_forwards == []
+    assert len(execs) == 3
+    assert str(CLOSED_PORT) in str(info.value) or "refused" in str(info.value).lower()

@@ -122,10 +122,25 @@ def make_config(
 )
 @gateway_options
 @click.option(
+    "--portforward-via",
+    type=click.Choice(["cri", "exec"]),
+    default="cri",
+    show_default=True,
+    help="How to reach pod ports: the runtime's CRI PortForward, or a forwarder (socat, "
+    "busybox nc or python3) run in the pod through CRI Exec.",
+)
+@click.option(
     "--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True
 )
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
-def node(state_dir: str, cri_socket: str, log_format: str, verbose: bool, **kw: Any) -> None:
+def node(
+    state_dir: str,
+    cri_socket: str,
+    portforward_via: str,
+    log_format: str,
+    verbose: bool,
+    **kw: Any,
+) -> None:
     """Serve kubectl's exec, attach, port-forward, logs and pod listing for this node, in
     front of any CRI runtime, over HTTPS with client certificates or bearer tokens, an
     authorization policy and an audit log.
@@ -137,14 +152,14 @@ def node(state_dir: str, cri_socket: str, log_format: str, verbose: bool, **kw: 
     setup_logging(log_format, verbose)
     config = make_config(state_dir, cri_socket, **kw)
     try:
-        run(_node(config))
+        run(_node(config, via_exec=portforward_via == "exec"))
     except InsecureListenError as exc:
         raise click.UsageError(str(exc)) from exc
 
 
-async def _node(config: GatewayConfig) -> None:
+async def _node(config: GatewayConfig, *, via_exec: bool = False) -> None:
     client = CriClient(config.cri_socket)
-    target = CriTarget(client)
+    target = CriTarget(client, via_exec=via_exec)
     source = CriPodSource(client, target, node=os.uname().nodename)
     try:
         version = await client.version()

@@ -359,6 +359,31 @@ class CriClient:
         response = await self._call(self._rt.ContainerStatus(request, timeout=self.timeout))
         return response.status.log_path
 
+    async def first_running_container(self, sandbox_id: str) -> str | None:
+        """The oldest running container of a pod sandbox, or None."""
+        request = pb.ListContainersRequest(
+            filter=pb.ContainerFilter(
+                pod_sandbox_id=sandbox_id,
+                state=pb.ContainerStateValue(state=pb.CONTAINER_RUNNING),
+            )
+        )
+        response = await self._call(self._rt.ListContainers(request, timeout=self.timeout))
+        running = sorted(response.containers, key=lambda c: c.created_at)
+        return running[0].id if running else None
+
+    async def exec_sync(self, container_id: str, cmd: Sequence[str], timeout: int) -> str:
+        """stdout of a command run to completion; CriError when it fails or exits non-zero."""
+        request = pb.ExecSyncRequest(container_id=container_id, cmd=list(cmd), timeout=timeout)
+        response = await self._call(
+            self._rt.ExecSync(request, timeout=max(self.timeout, timeout + 5))
+        )
+        if response.exit_code != 0:
+            raise CriError(
+                f"{list(cmd)[:1]} exited {response.exit_code}: "
+                f"{response.stderr.decode(errors='replace').strip()}"
+            )
+        return response.stdout.decode(errors="replace")
+
     async def container_running(self, container_id: str) -> bool:
         request = pb.ContainerStatusRequest(container_id=container_id)
         response = await self._call(self._rt.ContainerStatus(request, timeout=self.timeout))

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from podgate.aio.errors import ForwardError, StreamError, StreamResetError
 from podgate.aio.streams import DEFAULT_RECEIVE_BYTES, Buffer, ByteStream
 from podgate.node.cri_client import CriClient, CriError
+from podgate.node.execforward import ExecForwarder
 from podgate.proto.errors import ProtocolError
 from podgate.streaming.client import (
     ExecResult,
@@ -75,8 +76,12 @@ class CriTarget:
         *,
         ssl_context: ssl.SSLContext | None = None,
         idle_seconds: float = PORTFORWARD_IDLE_SECONDS,
+        via_exec: bool = False,
     ) -> None:
         self.client = client
+        # Port-forward by a forwarder run through CRI Exec instead of CRI PortForward (for
+        # runtimes whose own port-forward cannot reach sandboxed pods).
+        self.exec_forwarder = ExecForwarder(client) if via_exec else None
         self.ssl_context = ssl_context
         self.idle_seconds = idle_seconds
         self._sessions: dict[str, _PooledSession] = {}
@@ -130,6 +135,8 @@ class CriTarget:
     async def open_port(self, pod: PodRef, port: int) -> ByteStream:
         if not pod.sandbox_id:
             raise TargetError(f"pod {pod} has no sandbox")
+        if self.exec_forwarder is not None:
+            return await self.exec_forwarder.open_port(pod, port)
         while True:
             entry, reused = await self._session(pod.sandbox_id)
             try:

@@ -218,7 +218,7 @@ def test_list(gateway: Gateway, users: Users) -> None:
     allowed = users.viewer.kubectl(gateway).run(["get", "pods"])
     assert allowed.returncode == 0, allowed.stderr
     names = [line.split()[0] for line in allowed.stdout.decode().splitlines()[1:]]
-    assert names == ["data", "hello", "logger", "shell"]
+    assert sorted(names) == ["data", "data-sandboxed", "hello", "logger", "shell"]
 
     mark = gateway.audit.mark()
     denied = users.execer.kubectl(gateway).run(["get", "pods"])

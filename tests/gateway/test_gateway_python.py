@@ -58,7 +58,13 @@ def wait_closed(pf: Any, timeout: float = SESSION_TIMEOUT_SECONDS) -> bool:
 
 def test_list_pods(api: Any) -> None:
     pods = api.list_namespaced_pod("default")
-    assert sorted(p.metadata.name for p in pods.items) == ["data", "hello", "logger", "shell"]
+    assert sorted(p.metadata.name for p in pods.items) == [
+        "data",
+        "data-sandboxed",
+        "hello",
+        "logger",
+        "shell",
+    ]
     assert {p.status.phase for p in pods.items} == {"Running"}
 
 

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -25,34 +26,28 @@ MIN_PLAUSIBLE_BYTES_PER_SECOND = 1e6
 MAX_PLAUSIBLE_BYTES_PER_SECOND = 200e9
 
 
-def test_bench_runs_every_podgate_path_with_verified_bytes(tmp_path: Path) -> None:
+def run_bench(tmp_path: Path, *args: str, timeout: float) -> tuple[dict[str, Any], str]:
+    """`python -m bench ARGS` to success; its JSON results and the report it printed."""
     out = tmp_path / "results.json"
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bench",
-            "--size",
-            "2M",
-            "--runs",
-            "1",
-            "--skip-kubectl",
-            "--skip-socat",
-            "--conns",
-            "20",
-            "--sessions",
-            "5",
-            "--json",
-            str(out),
-        ],
+        [sys.executable, "-m", "bench", *args, "--json", str(out)],
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout,
         check=False,
     )
     assert done.returncode == 0, done.stderr + done.stdout
-    data = json.loads(out.read_text())
+    return json.loads(out.read_text()), done.stdout
+
+
+def test_bench_runs_every_podgate_path_with_verified_bytes(tmp_path: Path) -> None:
+    data, report = run_bench(
+        tmp_path,
+        *("--size", "2M", "--runs", "1", "--skip-kubectl", "--skip-socat"),
+        *("--conns", "20", "--sessions", "5"),
+        timeout=120,
+    )
     assert (tmp_path / "results.md").exists()
 
     for path in ("direct", *PODGATE_PATHS):
@@ -68,9 +63,7 @@ def test_bench_runs_every_podgate_path_with_verified_bytes(tmp_path: Path) -> No
             assert run["cpu"]["target"] >= 0
             if path != "direct":
                 assert run["cpu"]["server"] >= 0  # the podgate server's CPU was attributed
-            line = next(
-                ln for ln in done.stdout.splitlines() if f" {path} " in ln and direction in ln
-            )
+            line = next(ln for ln in report.splitlines() if f" {path} " in ln and direction in ln)
             assert "1/1 × 2 MiB" in line
 
     kinds = {(r["path"], r["kind"]): r for r in data["conns"]}
@@ -142,24 +135,14 @@ def test_bench_runtime_part_forwards_into_a_real_pod_with_verified_bytes(tmp_pat
 
     if os.geteuid() != 0:
         pytest.skip("the runtime benchmark needs root (pod network namespaces, nsenter)")
-    out = tmp_path / "results.json"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bench",
-            *("--size", "2M", "--runs", "1", "--paths", "direct"),
-            *("--conns", "0", "--sessions", "0", "--runtime", "--json", str(out)),
-            *("--runtime-paths", "socat-into-netns,runtime-spdy,runtime-tunnel,runtime-ws"),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
+    results, _ = run_bench(
+        tmp_path,
+        *("--size", "2M", "--runs", "1", "--paths", "direct"),
+        *("--conns", "0", "--sessions", "0", "--runtime"),
+        *("--runtime-paths", "socat-into-netns,runtime-spdy,runtime-tunnel,runtime-ws"),
         timeout=120,
-        check=False,
     )
-    assert done.returncode == 0, done.stderr + done.stdout
-    section = json.loads(out.read_text())["runtime"]
+    section = results["runtime"]
     assert section["error"] is None
     assert "warning" not in section["meta"]  # the target is not reachable from the host
     expected = ["direct-in-netns", "runtime-spdy", "runtime-tunnel", "runtime-ws"]
@@ -232,23 +215,13 @@ def test_bench_gateway_part_runs_kubectl_through_podgate_node(tmp_path: Path) ->
         assert result["verified"] is False
         assert result["error"].startswith(error), (script, result)
 
-    out = tmp_path / "results.json"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bench",
-            *("--size", "2M", "--runs", "1", "--paths", "direct", "--conns", "0"),
-            *("--sessions", "0", "--no-runtime", "--gateway", "--json", str(out)),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
+    results, _ = run_bench(
+        tmp_path,
+        *("--size", "2M", "--runs", "1", "--paths", "direct", "--conns", "0"),
+        *("--sessions", "0", "--no-runtime", "--gateway"),
         timeout=180,
-        check=False,
     )
-    assert done.returncode == 0, done.stderr + done.stdout
-    section = json.loads(out.read_text())["gateway"]
+    section = results["gateway"]
     assert section["error"] is None
     assert "warning" not in section["meta"]  # the target is not reachable from the host
     assert section["meta"]["node_api"].startswith("https://127.0.0.1:")
@@ -320,24 +293,14 @@ def test_bench_runtime_part_measures_the_agent_and_exec_backends(tmp_path: Path)
 
     if os.geteuid() != 0:
         pytest.skip("the runtime benchmark needs root (pod network namespaces, nsenter)")
-    out = tmp_path / "results.json"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bench",
-            *("--size", "2M", "--runs", "1", "--paths", "direct", "--conns", "0"),
-            *("--sessions", "0", "--runtime", "--no-gateway", "--conn-budget", "2"),
-            *("--runtime-paths", "agent-spdy,exec-spdy", "--json", str(out)),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
+    results, _ = run_bench(
+        tmp_path,
+        *("--size", "2M", "--runs", "1", "--paths", "direct", "--conns", "0"),
+        *("--sessions", "0", "--runtime", "--no-gateway", "--conn-budget", "2"),
+        *("--runtime-paths", "agent-spdy,exec-spdy"),
         timeout=180,
-        check=False,
     )
-    assert done.returncode == 0, done.stderr + done.stdout
-    section = json.loads(out.read_text())["runtime"]
+    section = results["runtime"]
     assert section["error"] is None and section["skipped"] == {}
     rows = section["throughput"]
     # The peers come along: each ratio needs one.

@@ -1,0 +1,1 @@
+"""NRI plugins built on `podgate.nri.plugin`; run one with `python -m podgate.nri.plugins.NAME`."""

@@ -334,7 +334,7 @@ class RuntimeBench:
     def start(self, paths: Sequence[RuntimePath]) -> list[RuntimePath]:
         # Short: the sandbox's unix sockets live under <state>/run/<64-hex pod id>/.
         state = self.procs.workdir / "s"
-        argv = [self.py, "-m", "podgate", "runtime", "--state-dir", str(state)]
+        argv = [self.py, "-m", "podgate", "runtime", "--state-dir", str(state), "--no-nri"]
         argv += DAEMON_BACKEND_ARGS
         if self.options.profile_dir is not None:
             self.options.profile_dir.mkdir(parents=True, exist_ok=True)

@@ -136,6 +136,9 @@ class FakeRuntime:
         self._call("list_pods")
         return list(self.pods.values())
 
+    async def pod_network(self, pod: PodRecord) -> tuple[str, list[str]]:
+        return pod.ip, list(pod.additional_ips)
+
     async def create_container(
         self,
         pod_id: str,

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
 from podgate.aio.loop import run
 from podgate.cli.logs import setup_logging
+from podgate.cli.nri import nri_config, nri_options
 from podgate.runtime.daemon import (
     DEFAULT_STATE_DIR,
     RuntimeConfig,
@@ -45,6 +48,7 @@ from podgate.runtime.streaming import DEFAULT_STREAM_IDLE_TIMEOUT_SECONDS, Insec
     help="Port-forward backends for pods of a runtime handler, tried in order (netns, agent, "
     "exec; HANDLER empty = the default). Default: =netns and sandboxed=agent,exec.",
 )
+@nri_options
 @click.option(
     "--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True
 )
@@ -59,6 +63,7 @@ def runtime(
     backends: tuple[str, ...],
     log_format: str,
     verbose: bool,
+    **nri: Any,
 ) -> None:
     """Run pods in Linux namespaces behind a CRI gRPC service.
 
@@ -79,6 +84,8 @@ def runtime(
         stream_socket=stream_socket,
         stream_idle_timeout=stream_idle_timeout,
         backends=chosen,
+        nri=nri_config(**nri),
+        nri_network=nri["network"] == "nri",
     )
     try:
         run(run_daemon(config))

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -13,6 +14,7 @@ import podgate
 from podgate.aio.loop import run
 from podgate.cli.demo import write_kubeconfig
 from podgate.cli.logs import setup_logging
+from podgate.cli.nri import nri_config, nri_options
 from podgate.node.cri_client import CriClient, CriPodSource
 from podgate.node.gateway import GatewayConfig
 from podgate.node.server import running_gateway
@@ -49,6 +51,7 @@ def default_examples() -> str:
     help="Directory of sample pods (*.json) to run; empty for none.",
 )
 @click.option("--keep-pods", is_flag=True, help="Leave the sample pods running on exit.")
+@nri_options
 @click.option(
     "--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True
 )
@@ -61,6 +64,7 @@ def up(
     keep_pods: bool,
     log_format: str,
     verbose: bool,
+    **nri: Any,
 ) -> None:
     """Start podgate on this machine: the pod runtime with sample pods, and the node gateway
     (HTTPS, client certificates and tokens, policy, audit) for kubectl on loopback.
@@ -79,13 +83,22 @@ def up(
                 samples.append(load_example(path))
             except ValueError as exc:
                 raise click.ClickException(str(exc)) from exc
-    run(_up(state_dir, port, plain_http, samples, keep_pods))
+    config = RuntimeConfig(
+        state_dir=state_dir,
+        nri=nri_config(**nri, default_socket=str(Path(state_dir) / "nri.sock")),
+        nri_network=nri["network"] == "nri",
+    )
+    run(_up(config, port, plain_http, samples, keep_pods))
 
 
 async def _up(
-    state_dir: str, port: int, plain_http: bool, samples: list[dict[str, object]], keep: bool
+    config: RuntimeConfig,
+    port: int,
+    plain_http: bool,
+    samples: list[dict[str, object]],
+    keep: bool,
 ) -> None:
-    config = RuntimeConfig(state_dir=state_dir)
+    state_dir = config.state_dir
     async with running_runtime(config) as running:
         pod_ids = [await ensure_example(running.runtime, s) for s in samples]
         client = CriClient(running.cri_socket)

@@ -92,6 +92,10 @@ class RuntimeApi(Protocol):
 
     def list_pods(self) -> list[PodRecord]: ...
 
+    async def pod_network(self, pod: PodRecord) -> tuple[str, list[str]]:
+        """The pod's IP and additional IPs, as PodSandboxStatus reports them."""
+        ...
+
     # -- containers
     async def create_container(
         self,

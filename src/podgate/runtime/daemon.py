@@ -18,8 +18,10 @@ from podgate.backends.agent import AgentBackend
 from podgate.backends.base import Backend, Backends, BackendUnavailableError
 from podgate.backends.exec import ExecBackend
 from podgate.backends.netns import NetnsBackend
+from podgate.nri.adaptation import Adaptation, NriConfig
 from podgate.runtime.cri.service import serve_cri, stop_cri
 from podgate.runtime.model import PodRecord
+from podgate.runtime.nri import RuntimeNri
 from podgate.runtime.runtime import Runtime
 from podgate.runtime.sandbox import lifecycle as sandbox
 from podgate.runtime.streaming import DEFAULT_STREAM_IDLE_TIMEOUT_SECONDS, StreamingServer
@@ -60,6 +62,8 @@ class RuntimeConfig:
     stream_socket: str = ""  # a unix socket instead of TCP
     stream_idle_timeout: float = DEFAULT_STREAM_IDLE_TIMEOUT_SECONDS
     backends: dict[str, list[str]] = field(default_factory=default_backends)
+    nri: NriConfig | None = None  # None: no NRI at all
+    nri_network: bool = False  # NRI plugins own pod networking (else loopback only)
 
     @property
     def cri_socket_path(self) -> str:
@@ -101,12 +105,27 @@ async def running_runtime(config: RuntimeConfig) -> AsyncIterator[RunningRuntime
     )
     await streaming.start()
     runtime.streaming = streaming
+    adaptation = None
+    if config.nri is not None:
+        adaptation = Adaptation(
+            config.nri,
+            runtime_name=Runtime.name,
+            runtime_version=Runtime.version,
+            sync=lambda: runtime_nri.snapshot(runtime.list_pods(), runtime.list_containers()),
+        )
+        runtime_nri = RuntimeNri(adaptation, network=config.nri_network)
+        runtime.nri = runtime_nri
+        await adaptation.start()
+        log.info("NRI on unix://%s", config.nri.socket_path)
     cri = await serve_cri(runtime, config.cri_socket_path, image_fs_path=config.state_dir)
     log.info("CRI on unix://%s, streaming on %s", config.cri_socket_path, streaming.base_url)
     try:
         yield RunningRuntime(runtime, target, streaming, config.cri_socket_path)
     finally:
         await stop_cri(cri, config.cri_socket_path)
+        if adaptation is not None:
+            runtime.nri = None
+            await adaptation.stop()
         await streaming.stop()
         await agent.aclose()
         netns.worker.close()

@@ -43,6 +43,7 @@ from podgate.runtime.model import (
     PodRecord,
     PodState,
 )
+from podgate.runtime.nri import RuntimeNri
 from podgate.runtime.sandbox import lifecycle as sandbox
 from podgate.runtime.store import Store
 from podgate.runtime.streaming import PendingStream, StreamingServer
@@ -77,6 +78,7 @@ class Runtime:
         self.containers: dict[str, ContainerRecord] = {}
         self.streaming: StreamingServer | None = None
         self.pod_cidr = ""
+        self.nri: RuntimeNri | None = None  # NRI events (and pod networking) when enabled
         self._locks: dict[str, asyncio.Lock] = {}
 
     # ------------------------------------------------------------------ startup
@@ -215,6 +217,14 @@ class Runtime:
             )
             pod.holder, pod.ns_process = holder, ns_process
             await sandbox.start_for_pod(pod, run)  # sandboxed pods: the guest, shim and agent
+            if self.nri is not None:
+                try:
+                    await self.nri.pod_started(pod)  # network plugins configure the netns here
+                except Exception as exc:
+                    await sandbox.stop_for_pod(pod)
+                    await holder_mod.stop_holder(holder)
+                    self.store.remove_run_path(pod_id)
+                    raise FailedPreconditionError(f"NRI RunPodSandbox failed: {exc}") from exc
             pod.state = PodState.READY
             self.store.ensure_dir(log_dir)
             self.pods[pod_id] = pod
@@ -230,6 +240,8 @@ class Runtime:
         async with self._lock(pod.id):
             for container in self.pod_containers(pod.id):
                 await self._stop_container(container, POD_STOP_GRACE_SECONDS)
+            if self.nri is not None and pod.state is PodState.READY:
+                await self.nri.pod_stopping(pod)  # namespaces still exist: plugins tear down
             await sandbox.stop_for_pod(pod)  # sandboxed pods: the shim and the guest
             if pod.holder is not None:
                 await holder_mod.stop_holder(pod.holder)
@@ -244,9 +256,19 @@ class Runtime:
         await self.stop_pod(pod.id)
         for container in self.pod_containers(pod.id):
             await self.remove_container(container.id)
+        if self.nri is not None:
+            await self.nri.pod_removed(pod)
         self.pods.pop(pod.id, None)
         self.store.delete_pod(pod.id)
         self.store.remove_run_path(pod.id)
+
+    async def pod_network(self, pod: PodRecord) -> tuple[str, list[str]]:
+        if self.nri is None:
+            return pod.ip, list(pod.additional_ips)
+        try:
+            return await self.nri.pod_ips(pod)
+        except Exception as exc:
+            raise FailedPreconditionError(f"NRI PodSandboxStatus failed: {exc}") from exc
 
     def pod_netns_path(self, pod: PodRecord) -> str:
         if pod.state is not PodState.READY or pod.ns_process is None:
@@ -294,8 +316,15 @@ class Runtime:
             labels=dict(labels),
             annotations=dict(annotations),
         )
+        if self.nri is not None:
+            try:
+                await self.nri.container_creating(pod, container)  # plugins' adjustments
+            except Exception as exc:
+                raise FailedPreconditionError(f"NRI CreateContainer failed: {exc}") from exc
         self.containers[container_id] = container
         self.store.save_container(container)
+        if self.nri is not None:
+            await self.nri.container_created(pod, container)
         return container_id
 
     async def start_container(self, container_id: str) -> None:
@@ -308,6 +337,11 @@ class Runtime:
             pod = self.get_pod(container.pod_id)
             if pod.state is not PodState.READY or pod.ns_process is None:
                 raise FailedPreconditionError(f"pod sandbox {pod.id} is not ready")
+            if self.nri is not None:
+                try:
+                    await self.nri.container_starting(pod, container)
+                except Exception as exc:
+                    raise FailedPreconditionError(f"NRI StartContainer failed: {exc}") from exc
             run = self.store.run_path(container.id)
             spec = container.spec
             env = {"PATH": DEFAULT_PATH, "HOSTNAME": pod.hostname, **spec.envs}
@@ -351,6 +385,8 @@ class Runtime:
             container.started_at = now_ns()
             container.state = ContainerState.RUNNING
             self.store.save_container(container)
+        if self.nri is not None:
+            await self.nri.container_started(pod, container)
 
     async def stop_container(self, container_id: str, timeout: float) -> None:
         container = self.get_container(container_id)
@@ -375,6 +411,9 @@ class Runtime:
         if not await self._wait_exit(container, KILL_WAIT_SECONDS):
             log.warning("container %s did not report its exit", container.id[:12])
         self._refresh_container(container)
+        pod = self.pods.get(container.pod_id)
+        if self.nri is not None and pod is not None:
+            await self.nri.container_stopped(pod, container)
 
     async def _wait_exit(self, container: ContainerRecord, timeout: float) -> bool:
         deadline = time.monotonic() + max(timeout, 0.0)
@@ -398,6 +437,9 @@ class Runtime:
             if container.log_file:
                 self.store.remove_file(container.log_file)
             self.store.remove_run_path(container.id)
+        pod = self.pods.get(container.pod_id)
+        if self.nri is not None and pod is not None:
+            await self.nri.container_removed(pod, container)
 
     # ------------------------------------------------------------------ exec
     def running_container(self, container_id: str) -> ContainerRecord:

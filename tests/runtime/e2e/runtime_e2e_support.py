@@ -124,12 +124,16 @@ class RuntimeDaemon:
     output: Path
 
     @classmethod
-    def start(cls, state_dir: Path, output: Path) -> RuntimeDaemon:
+    def start(cls, state_dir: Path, output: Path, extra_args: Sequence[str] = ()) -> RuntimeDaemon:
         """Start the daemon on `state_dir` and wait (bounded) for its ready line."""
         with open(output, "ab") as out:
             start_offset = out.tell()
             process = subprocess.Popen(
-                [sys.executable, "-m", "podgate", "runtime", "--state-dir", str(state_dir)],
+                [
+                    *(sys.executable, "-m", "podgate", "runtime", "--state-dir", str(state_dir)),
+                    *("--nri-socket", str(state_dir / "nri.sock")),
+                    *extra_args,
+                ],
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=out,
@@ -245,9 +249,9 @@ def state_root() -> Iterator[Path]:
 
 
 @contextlib.contextmanager
-def running_daemon(root: Path) -> Iterator[RuntimeDaemon]:
+def running_daemon(root: Path, extra_args: Sequence[str] = ()) -> Iterator[RuntimeDaemon]:
     """A daemon on `root/s`; on exit its pods are removed and it gets SIGTERM."""
-    daemon = RuntimeDaemon.start(root / "s", root / "daemon.log")
+    daemon = RuntimeDaemon.start(root / "s", root / "daemon.log", extra_args)
     try:
         yield daemon
     finally:
@@ -298,6 +302,7 @@ class Pods:
         hostname: str = "",
         labels: dict[str, str] | None = None,
         log_directory: str = "",
+        runtime_handler: str = "",
     ) -> Pod:
         config = pb.PodSandboxConfig(
             metadata=pb.PodSandboxMetadata(
@@ -307,7 +312,9 @@ class Pods:
             labels=labels or {},
             log_directory=log_directory,
         )
-        response = await self.rt.RunPodSandbox(pb.RunPodSandboxRequest(config=config))
+        response = await self.rt.RunPodSandbox(
+            pb.RunPodSandboxRequest(config=config, runtime_handler=runtime_handler)
+        )
         self.created.append(response.pod_sandbox_id)
         return Pod(response.pod_sandbox_id, config)
 

@@ -256,7 +256,12 @@ def pod_sandbox(record: PodRecord) -> pb.PodSandbox:
     )
 
 
-def pod_sandbox_status(record: PodRecord) -> pb.PodSandboxStatus:
+def pod_sandbox_status(
+    record: PodRecord, ip: str | None = None, additional_ips: Sequence[str] | None = None
+) -> pb.PodSandboxStatus:
+    """`ip`/`additional_ips` override the recorded addresses (fresh from NRI plugins)."""
+    if ip is None:
+        ip, additional_ips = record.ip, record.additional_ips
     options = pb.NamespaceOption(
         pid=_NAMESPACE_MODES[record.pid_mode],
         network=_NAMESPACE_MODES[record.network_mode],
@@ -268,8 +273,8 @@ def pod_sandbox_status(record: PodRecord) -> pb.PodSandboxStatus:
         state=pod_state(record.state),
         created_at=record.created_at,
         network=pb.PodSandboxNetworkStatus(
-            ip=record.ip,
-            additional_ips=[pb.PodIP(ip=ip) for ip in record.additional_ips if ip != record.ip],
+            ip=ip,
+            additional_ips=[pb.PodIP(ip=extra) for extra in additional_ips or () if extra != ip],
         ),
         linux=pb.LinuxPodSandboxStatus(namespaces=pb.Namespace(options=options)),
         labels=record.labels,

@@ -97,8 +97,9 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
         pod = self.runtime.get_pod(convert.require(request.pod_sandbox_id, "pod_sandbox_id"))
         timestamp = self.clock()
         containers = [c for c in self.runtime.list_containers() if c.pod_id == pod.id]
+        ip, additional_ips = await self.runtime.pod_network(pod)
         return pb.PodSandboxStatusResponse(
-            status=convert.pod_sandbox_status(pod),
+            status=convert.pod_sandbox_status(pod, ip, additional_ips),
             info=convert.pod_info(pod) if request.verbose else {},
             containers_statuses=[convert.container_status(c) for c in containers],
             timestamp=timestamp,

@@ -1,0 +1,174 @@
+"""The runtime's side of NRI: which events it sends when, and what it does with the answers.
+
+The order follows containerd (reference §8.2) with one change that NRI-owned networking needs:
+`StopPodSandbox` goes out after the containers stop but *before* the pod's namespaces are
+released, so network plugins tear down while the netns still exists (containerd runs CNI there
+instead). With NRI networking on, `RunPodSandbox` is followed by `PodSandboxStatus` before the
+pod is Ready, so the IPs are known (and recorded) when RunPodSandbox returns; CRI
+PodSandboxStatus asks again through a short cache, since the kubelet polls it.
+
+PodSandboxStatus merge policy (containerd/nri #267, revision 2): the first non-empty `ip` in
+plugin index order is the pod IP; later plugins' `ip` and every `additional_ips` entry follow in
+order, duplicates dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol
+
+from podgate.nri import api_pb2 as api
+from podgate.nri import convert
+from podgate.runtime.api import FailedPreconditionError
+from podgate.runtime.model import ContainerRecord, PodRecord, PodState
+from podgate.runtime.sandbox import lifecycle as sandbox
+
+log = logging.getLogger(__name__)
+
+# How long a PodSandboxStatus answer is reused: the kubelet polls every few seconds and each
+# plugin may take up to the request timeout, so the runtime does not ask on every poll.
+STATUS_CACHE_SECONDS = 2.0
+
+
+class NriAdaptation(Protocol):
+    """What the runtime needs from the NRI adaptation (podgate.nri.adaptation.Adaptation)."""
+
+    async def run_pod_sandbox(self, pod: api.PodSandbox) -> None: ...
+    async def stop_pod_sandbox(self, pod: api.PodSandbox) -> None: ...
+    async def remove_pod_sandbox(self, pod: api.PodSandbox) -> None: ...
+    async def pod_sandbox_status(self, pod: api.PodSandbox) -> tuple[str, list[str]]: ...
+    async def create_container(
+        self, pod: api.PodSandbox, container: api.Container
+    ) -> api.ContainerAdjustment: ...
+    async def post_create_container(
+        self, pod: api.PodSandbox, container: api.Container
+    ) -> None: ...
+    async def start_container(self, pod: api.PodSandbox, container: api.Container) -> None: ...
+    async def post_start_container(self, pod: api.PodSandbox, container: api.Container) -> None: ...
+    async def stop_container(self, pod: api.PodSandbox, container: api.Container) -> None: ...
+    async def remove_container(self, pod: api.PodSandbox, container: api.Container) -> None: ...
+
+
+def netns_path(pod: PodRecord) -> str:
+    """The netns plugins configure: the guest's for sandboxed pods, the holder's otherwise."""
+    if pod.ns_process is None:
+        return ""
+    try:
+        return f"/proc/{sandbox.container_ns_pid(pod)}/ns/net"
+    except FailedPreconditionError:
+        return ""
+
+
+class RuntimeNri:
+    """Sends lifecycle events for a Runtime; `network` makes NRI plugins own pod networking."""
+
+    def __init__(self, adaptation: NriAdaptation, *, network: bool) -> None:
+        self.adaptation = adaptation
+        self.network = network
+        self._status_cache: dict[str, tuple[float, str, list[str]]] = {}
+
+    def pod_message(self, pod: PodRecord) -> api.PodSandbox:
+        ips = [pod.ip, *pod.additional_ips] if pod.ip else []
+        return convert.pod_sandbox(pod, netns_path=netns_path(pod), ips=ips)
+
+    # ------------------------------------------------------------------ pods
+    async def pod_started(self, pod: PodRecord) -> None:
+        """The netns exists: plugins set the pod up; with NRI networking, collect the IPs.
+
+        Raises (and has sent RemovePodSandbox) when a plugin fails the pod.
+        """
+        message = self.pod_message(pod)
+        try:
+            await self.adaptation.run_pod_sandbox(message)
+            if self.network:
+                ip, additional = await self.adaptation.pod_sandbox_status(message)
+                pod.ip, pod.additional_ips = ip, list(additional)
+                self._status_cache[pod.id] = (time.monotonic(), ip, list(additional))
+        except Exception:
+            await self._quietly("RemovePodSandbox", self.adaptation.remove_pod_sandbox, message)
+            raise
+
+    async def pod_stopping(self, pod: PodRecord) -> None:
+        """Containers are stopped, namespaces still exist; errors are only logged."""
+        message = self.pod_message(pod)
+        await self._quietly("StopPodSandbox", self.adaptation.stop_pod_sandbox, message)
+        self._status_cache.pop(pod.id, None)
+
+    async def pod_removed(self, pod: PodRecord) -> None:
+        await self._quietly(
+            "RemovePodSandbox", self.adaptation.remove_pod_sandbox, self.pod_message(pod)
+        )
+        self._status_cache.pop(pod.id, None)
+
+    async def pod_ips(self, pod: PodRecord) -> tuple[str, list[str]]:
+        """The pod's IPs for CRI PodSandboxStatus, refreshed through NRI at most every few
+        seconds; a failing plugin fails the call, as in containerd's test bed."""
+        if not self.network or pod.state is not PodState.READY:
+            return pod.ip, list(pod.additional_ips)
+        cached = self._status_cache.get(pod.id)
+        now = time.monotonic()
+        if cached is not None and now - cached[0] < STATUS_CACHE_SECONDS:
+            return cached[1], list(cached[2])
+        ip, additional = await self.adaptation.pod_sandbox_status(self.pod_message(pod))
+        self._status_cache[pod.id] = (now, ip, list(additional))
+        return ip, list(additional)
+
+    # ------------------------------------------------------------------ containers
+    async def container_creating(self, pod: PodRecord, container: ContainerRecord) -> None:
+        """Plugins adjust the container before it is recorded; conflicts fail the creation."""
+        adjust = await self.adaptation.create_container(
+            self.pod_message(pod), convert.container(container)
+        )
+        convert.apply_adjustment(container.spec, container.annotations, adjust)
+
+    async def container_created(self, pod: PodRecord, container: ContainerRecord) -> None:
+        await self._quietly(
+            "PostCreateContainer",
+            self.adaptation.post_create_container,
+            self.pod_message(pod),
+            convert.container(container),
+        )
+
+    async def container_starting(self, pod: PodRecord, container: ContainerRecord) -> None:
+        await self.adaptation.start_container(self.pod_message(pod), convert.container(container))
+
+    async def container_started(self, pod: PodRecord, container: ContainerRecord) -> None:
+        await self._quietly(
+            "PostStartContainer",
+            self.adaptation.post_start_container,
+            self.pod_message(pod),
+            convert.container(container),
+        )
+
+    async def container_stopped(self, pod: PodRecord, container: ContainerRecord) -> None:
+        await self._quietly(
+            "StopContainer",
+            self.adaptation.stop_container,
+            self.pod_message(pod),
+            convert.container(container),
+        )
+
+    async def container_removed(self, pod: PodRecord, container: ContainerRecord) -> None:
+        await self._quietly(
+            "RemoveContainer",
+            self.adaptation.remove_container,
+            self.pod_message(pod),
+            convert.container(container),
+        )
+
+    # ------------------------------------------------------------------ sync
+    def snapshot(
+        self, pods: Sequence[PodRecord], containers: Sequence[ContainerRecord]
+    ) -> tuple[list[api.PodSandbox], list[api.Container]]:
+        """Everything a newly registered plugin is synchronised with."""
+        return [self.pod_message(p) for p in pods], [convert.container(c) for c in containers]
+
+    @staticmethod
+    async def _quietly(what: str, call: Callable[..., Awaitable[Any]], *args: object) -> None:
+        """Post-events and teardown: a failing plugin is logged, the CRI call goes on."""
+        try:
+            await call(*args)
+        except Exception as exc:
+            log.warning("nri: %s failed: %s", what, exc)

@@ -32,12 +32,14 @@ def test_port_forward_request_keeps_katas_field_numbers() -> None:
     assert (
         agent_pb2.PortForwardRequest.DESCRIPTOR.full_name == "podgate.agent.v1.PortForwardRequest"
     )
+    # protocol (request 4, response 1) is podgate's UDP extension; empty for TCP.
     assert _fields(agent_pb2.PortForwardRequest) == {
         "container_id": (1, t.TYPE_STRING),
         "port": (2, t.TYPE_UINT32),
         "vsock_port": (3, t.TYPE_UINT32),
+        "protocol": (4, t.TYPE_STRING),
     }
-    assert _fields(agent_pb2.PortForwardResponse) == {}
+    assert _fields(agent_pb2.PortForwardResponse) == {"protocol": (1, t.TYPE_STRING)}
     assert _fields(agent_pb2.HealthRequest) == {}
     assert _fields(agent_pb2.HealthResponse) == {"status": (1, t.TYPE_STRING)}
 
@@ -59,3 +61,8 @@ def test_wire_bytes() -> None:
     assert request.SerializeToString() == bytes.fromhex("0a 02 63 31 10 90 3f 18 88 27")
     assert agent_pb2.HealthResponse(status="ok").SerializeToString() == bytes.fromhex("0a 02 6f 6b")
     assert agent_pb2.PortForwardResponse().SerializeToString() == b""
+    # field 4 LEN (tag 0x22) "udp"; the reply's field 1 LEN (tag 0x0a) "udp".
+    udp = agent_pb2.PortForwardRequest(container_id="c1", port=53, vsock_port=5000, protocol="udp")
+    assert udp.SerializeToString() == bytes.fromhex("0a 02 63 31 10 35 18 88 27 22 03 75 64 70")
+    reply = agent_pb2.PortForwardResponse(protocol="udp")
+    assert reply.SerializeToString() == bytes.fromhex("0a 03 75 64 70")

@@ -29,10 +29,12 @@ def test_port_forward_request_keeps_containerd_4814_numbering() -> None:
     # runtime-and-nri.md §2.1: id=1 string, port=2 int32, addr=3 string; reply Empty.
     t = FieldDescriptor
     descriptor = shim_pb2.PortForwardRequest.DESCRIPTOR
+    # protocol=4 is podgate's UDP extension; TCP requests leave it empty (encoded as before).
     assert {f.name: (f.number, f.type) for f in descriptor.fields} == {
         "id": (1, t.TYPE_STRING),
         "port": (2, t.TYPE_INT32),
         "addr": (3, t.TYPE_STRING),
+        "protocol": (4, t.TYPE_STRING),
     }
     service = shim_pb2.DESCRIPTOR.services_by_name["Shim"]
     assert service.full_name == "podgate.shim.v1.Shim"
@@ -41,6 +43,9 @@ def test_port_forward_request_keeps_containerd_4814_numbering() -> None:
     # The encoding of {id: "a", port: 8080, addr: "unix:///x"}, field by field.
     encoded = shim_pb2.PortForwardRequest(id="a", port=8080, addr="unix:///x").SerializeToString()
     assert encoded == b"\x0a\x01a" + b"\x10\x90\x3f" + b"\x1a\x09unix:///x"
+    # field 4 LEN (tag 0x22) "udp"
+    udp = shim_pb2.PortForwardRequest(id="a", port=53, addr="u", protocol="udp")
+    assert udp.SerializeToString() == b"\x0a\x01a" + b"\x10\x35" + b"\x1a\x01u" + b"\x22\x03udp"
 
 
 POD = PodRecord(id="p" * 64, metadata=PodMetadata("n", "ns"), state=PodState.READY, created_at=0)
@@ -52,7 +57,7 @@ class Fake:
         self.error = error
         self.calls = 0
 
-    async def open(self, pod: PodRecord, port: int) -> ByteStream:
+    async def open(self, pod: PodRecord, port: int, protocol: str = "tcp") -> ByteStream:
         self.calls += 1
         if self.error is not None:
             raise self.error

@@ -257,7 +257,11 @@ async def test_bad_stream_headers_reset_that_stream_only(api: Api, headers: dict
 
 @pytest.mark.parametrize(
     ("subresource", "server_protocols"),
-    [("exec", SERVER_EXEC_SPDY), ("portforward", ["portforward.k8s.io"])],
+    # podgate's UDP extension is listed too (one more protocol version; kubectl never offers it)
+    [
+        ("exec", SERVER_EXEC_SPDY),
+        ("portforward", ["portforward.k8s.io", "udp.portforward.podgate.io"]),
+    ],
 )
 async def test_unknown_spdy_protocol_is_403_with_the_accepted_versions(
     api: Api, subresource: str, server_protocols: list[str]

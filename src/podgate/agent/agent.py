@@ -14,12 +14,18 @@ the sandbox (ttrpc service `podgate.agent.v1.Agent`) to do the dialing:
 
 Status codes:
 
-- INVALID_ARGUMENT: a request that cannot be decoded, port outside 1..65535, or a vsock_port
-  of VMADDR_PORT_ANY.
+- INVALID_ARGUMENT: a request that cannot be decoded, port outside 1..65535, a vsock_port
+  of VMADDR_PORT_ANY, or a protocol other than "", "tcp" and "udp".
 - UNAVAILABLE: the target refused on both addresses (`failed to connect to localhost:<p>
   inside the sandbox, IPv4: … IPv6 … `, containerd's wording), or the dial-back failed
   (`failed to connect back to the host …`). UNAVAILABLE rather than Kata's INTERNAL: nothing
   is broken, the port is just not served (yet), and a retry may succeed.
+
+UDP (`protocol: "udp"`, a podgate extension): step 1 makes a UDP socket connected to
+127.0.0.1:port instead (a connect that cannot be refused; ICMP port-unreachable later only
+drops datagrams), and the dial-back connection carries framed datagrams (uint16 big-endian
+length, payload; podgate.proto.datagram). The reply names "udp" so the caller knows the field
+was understood. The host's EOF on the dial-back connection closes the UDP socket.
 
 `Health` answers `status: "ok"`.
 """
@@ -42,10 +48,12 @@ from podgate.agent.agent_pb2 import (
     HealthRequest,
     HealthResponse,
     PortForwardRequest,
+    PortForwardResponse,
 )
+from podgate.aio.datagram import DatagramStream, connected_udp_socket
 from podgate.aio.errors import StreamError
 from podgate.aio.splice import splice
-from podgate.aio.streams import SocketStream
+from podgate.aio.streams import ByteStream, SocketStream
 from podgate.aio.ttrpc import RequestContext, TtrpcServer
 from podgate.linux import vsock
 from podgate.linux.vsock import Address, Scheme
@@ -135,6 +143,7 @@ class ForwardRecord:
     port: int
     vsock_port: int
     started: float
+    protocol: str = "tcp"
     to_target: int = 0
     to_host: int = 0
 
@@ -172,10 +181,19 @@ class Agent:
             raise TtrpcError(Code.INVALID_ARGUMENT, f"invalid port {request.port}")
         if request.vsock_port == vsock.VMADDR_PORT_ANY:
             raise TtrpcError(Code.INVALID_ARGUMENT, f"invalid vsock_port {request.vsock_port}")
+        protocol = request.protocol or "tcp"
+        if protocol not in ("tcp", "udp"):
+            raise TtrpcError(Code.INVALID_ARGUMENT, f"invalid protocol {request.protocol!r}")
         loop = asyncio.get_running_loop()
-        record = ForwardRecord(request.container_id, request.port, request.vsock_port, loop.time())
+        record = ForwardRecord(
+            request.container_id, request.port, request.vsock_port, loop.time(), protocol
+        )
         # The target first: a refused port must fail the call before the host is dialed.
-        target = await SocketStream.from_socket(await dial_localhost(request.port))
+        target: ByteStream
+        if protocol == "udp":
+            target = _udp_localhost(request.port)
+        else:
+            target = await SocketStream.from_socket(await dial_localhost(request.port))
         try:
             async with asyncio.timeout(self.dial_back_timeout):
                 back = await vsock.connect(self.host, request.vsock_port)
@@ -204,16 +222,17 @@ class Agent:
         self._forwards.add(task)
         task.add_done_callback(self._forwards.discard)
         log.info(
-            "port-forward start container=%s port=%d vsock_port=%d",
+            "port-forward start container=%s port=%d vsock_port=%d protocol=%s",
             record.container_id,
             record.port,
             record.vsock_port,
+            record.protocol,
         )
-        return b""  # PortForwardResponse{} encodes to nothing
+        if protocol == "tcp":
+            return b""  # PortForwardResponse{} encodes to nothing, as before the extension
+        return bytes(PortForwardResponse(protocol=protocol).SerializeToString())
 
-    async def _forward(
-        self, record: ForwardRecord, back: SocketStream, target: SocketStream
-    ) -> None:
+    async def _forward(self, record: ForwardRecord, back: SocketStream, target: ByteStream) -> None:
         loop = asyncio.get_running_loop()
         error: BaseException | None = None
         try:
@@ -231,13 +250,14 @@ class Agent:
         finally:
             log.info(
                 "port-forward end container=%s port=%d vsock_port=%d to_target=%d to_host=%d "
-                "duration=%.3fs%s",
+                "duration=%.3fs protocol=%s%s",
                 record.container_id,
                 record.port,
                 record.vsock_port,
                 record.to_target,
                 record.to_host,
                 loop.time() - record.started,
+                record.protocol,
                 f" error={error}" if error is not None else "",
             )
 
@@ -255,6 +275,19 @@ class Agent:
             task.cancel()
         if tasks:
             await asyncio.wait(tasks)
+
+
+def _udp_localhost(port: int) -> DatagramStream:
+    """A UDP flow to 127.0.0.1:`port`; UNAVAILABLE if the guest cannot even make the socket."""
+    try:
+        sock = connected_udp_socket("127.0.0.1", port)
+    except OSError as exc:
+        raise TtrpcError(
+            Code.UNAVAILABLE,
+            f"failed to open udp to localhost:{port} inside the sandbox: "
+            f"{_go_strerror(exc.errno or 0)}",
+        ) from exc
+    return DatagramStream(sock, label=f"udp 127.0.0.1:{port}")
 
 
 def _decode(kind: type[_M], payload: bytes) -> _M:

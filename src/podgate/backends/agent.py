@@ -3,6 +3,8 @@ unix socket, ask the shim to forward `port` to it, accept the one connection it 
 
 The shim and its in-guest agent do the rest; this side never sees the guest. A shim that is not
 running is started again once (through `restart`) before the backend reports it unavailable.
+UDP asks the same call for protocol "udp": the agent opens the UDP socket in the guest and the
+dial-back connection carries framed datagrams, which this side passes on as they are.
 """
 
 from __future__ import annotations
@@ -43,14 +45,16 @@ class AgentBackend:
         self._clients: dict[str, TtrpcClient] = {}
         self._locks: dict[str, asyncio.Lock] = {}
 
-    async def open(self, pod: PodRecord, port: int) -> ByteStream:
+    async def open(self, pod: PodRecord, port: int, protocol: str = "tcp") -> ByteStream:
+        if protocol not in ("tcp", "udp"):
+            raise BackendError(f"unsupported port-forward protocol {protocol!r}")
         path = self._run_dir(pod.id) / f"pf-{secrets.token_hex(4)}.sock"
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
             listener.bind(str(path))
             listener.listen(1)
             listener.setblocking(False)
-            await self._port_forward(pod, port, f"unix://{path}")
+            await self._port_forward(pod, port, f"unix://{path}", protocol)
             try:
                 async with asyncio.timeout(ACCEPT_TIMEOUT_SECONDS):
                     conn, _ = await asyncio.get_running_loop().sock_accept(listener)
@@ -61,8 +65,11 @@ class AgentBackend:
             path.unlink(missing_ok=True)
         return _AgentStream(await SocketStream.from_socket(conn), pod, port)
 
-    async def _port_forward(self, pod: PodRecord, port: int, addr: str) -> None:
-        request = shim_pb2.PortForwardRequest(id=pod.id, port=port, addr=addr)
+    async def _port_forward(self, pod: PodRecord, port: int, addr: str, protocol: str) -> None:
+        # TCP requests stay byte for byte what containerd PR #4814 sends.
+        request = shim_pb2.PortForwardRequest(
+            id=pod.id, port=port, addr=addr, protocol="" if protocol == "tcp" else protocol
+        )
         for attempt in range(2):
             client = await self._client(pod)
             try:
@@ -82,8 +89,9 @@ class AgentBackend:
                     ) from exc
             except TtrpcError as exc:
                 if exc.code == Code.UNIMPLEMENTED:
+                    what = "ports" if protocol == "tcp" else f"{protocol} ports"
                     raise BackendUnavailableError(
-                        f"the sandbox shim of pod {pod.id} cannot forward ports: {exc.message}"
+                        f"the sandbox shim of pod {pod.id} cannot forward {what}: {exc.message}"
                     ) from exc
                 if exc.code == Code.UNAVAILABLE:
                     raise BackendUnavailableError(exc.message) from exc

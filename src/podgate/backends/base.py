@@ -1,7 +1,10 @@
-"""The backend seam: `open(pod, port) -> ByteStream`, chosen per pod by its runtime handler.
+"""The backend seam: `open(pod, port, protocol) -> ByteStream`, chosen per pod by its runtime
+handler.
 
 A backend never sees SPDY or WebSocket; the base does the choosing, timing and logging so a
-backend is only the part that differs.
+backend is only the part that differs. For protocol "udp" the stream carries framed datagrams
+(podgate.proto.datagram) to and from a UDP socket connected to 127.0.0.1:port in the pod; a
+backend that cannot do UDP raises BackendUnavailableError, so the next one in the chain may.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ class BackendUnavailableError(BackendError):
 class Backend(Protocol):
     name: str
 
-    async def open(self, pod: PodRecord, port: int) -> ByteStream: ...
+    async def open(self, pod: PodRecord, port: int, protocol: str = "tcp") -> ByteStream: ...
 
 
 BackendChain = Backend | Sequence[Backend]
@@ -58,25 +61,28 @@ class Backends:
     def for_pod(self, pod: PodRecord) -> Backend:
         return self.chain_for(pod)[0]
 
-    async def open(self, pod: PodRecord, port: int) -> ByteStream:
+    async def open(self, pod: PodRecord, port: int, protocol: str = "tcp") -> ByteStream:
         unavailable: list[str] = []
         chain = self.chain_for(pod)
+        where = f"{port}/{protocol}"
         for backend in chain:
             start = time.monotonic()
             try:
-                stream = await backend.open(pod, port)
+                stream = await backend.open(pod, port, protocol)
             except BackendUnavailableError as exc:
-                log.info("%s: pod %s port %d unavailable: %s", backend.name, pod.id[:12], port, exc)
+                log.info(
+                    "%s: pod %s port %s unavailable: %s", backend.name, pod.id[:12], where, exc
+                )
                 unavailable.append(f"{backend.name}: {exc}" if len(chain) > 1 else str(exc))
                 continue
             except BackendError as exc:
-                log.info("%s: pod %s port %d: %s", backend.name, pod.id[:12], port, exc)
+                log.info("%s: pod %s port %s: %s", backend.name, pod.id[:12], where, exc)
                 raise
             log.debug(
-                "%s: pod %s port %d open in %.1f ms",
+                "%s: pod %s port %s open in %.1f ms",
                 backend.name,
                 pod.id[:12],
-                port,
+                where,
                 (time.monotonic() - start) * 1000,
             )
             return stream

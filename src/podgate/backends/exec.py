@@ -4,6 +4,9 @@ containerd #6638 and Windows' wincat use): its stdin and stdout are the connecti
 The first of these the container has is used (one probe per container, then remembered):
 `python -m podgate agent forward PORT` (where podgate is importable there: containers sharing
 the host's filesystem), `socat`, `busybox nc`, and a few lines of `python3`.
+
+UDP is not offered: a forwarder's stdio is a single byte stream and none of these tools frames
+datagrams on it, so a UDP forward is BackendUnavailableError (the next backend may do it).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ TOOL_CACHE_ENTRIES: Final = 4096
 SOCAT_BUFFER_BYTES: Final = 128 * 1024
 
 NO_TOOL: Final = "no port-forward tool in the container: install socat, busybox or python3"
+UDP_UNSUPPORTED: Final = "UDP port-forward is not supported by the exec backend"
 
 # stdin → 127.0.0.1:PORT (then ::1) → stdout, with half-close both ways.
 PYTHON_FORWARDER: Final = r"""
@@ -110,7 +114,10 @@ class ExecBackend:
         self.interpreter = interpreter
         self._tools: dict[str, str] = {}  # container id -> what the probe found
 
-    async def open(self, pod: PodRecord, port: int) -> ByteStream:
+    async def open(self, pod: PodRecord, port: int, protocol: str = "tcp") -> ByteStream:
+        if protocol != "tcp":
+            # A forwarder's stdio is one byte stream; none of the tools frames datagrams.
+            raise BackendUnavailableError(UDP_UNSUPPORTED)
         running = [
             c
             for c in self.runtime.pod_containers(pod.id)

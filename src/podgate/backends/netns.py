@@ -1,12 +1,18 @@
 """Port-forward by dialing localhost inside the pod's network namespace (what containerd and
-CRI-O do for runc pods): a worker thread makes the socket in the netns, the loop connects."""
+CRI-O do for runc pods): a worker thread makes the socket in the netns, the loop connects.
+
+UDP gets a datagram socket made the same way and connected to 127.0.0.1:port (a connect that
+only sets the peer, so there is nothing to refuse and no ::1 fallback to try)."""
 
 from __future__ import annotations
 
+import socket
+
+from podgate.aio.datagram import DatagramStream
 from podgate.aio.errors import ConnectError
 from podgate.aio.streams import ByteStream, SocketStream
 from podgate.backends.base import BackendError
-from podgate.linux.ns import NetnsWorker, connect_in_netns
+from podgate.linux.ns import NamespaceError, NetnsWorker, connect_in_netns
 from podgate.runtime.model import PodRecord
 
 
@@ -16,10 +22,14 @@ class NetnsBackend:
     def __init__(self, worker: NetnsWorker | None = None) -> None:
         self.worker = worker or NetnsWorker()
 
-    async def open(self, pod: PodRecord, port: int) -> ByteStream:
+    async def open(self, pod: PodRecord, port: int, protocol: str = "tcp") -> ByteStream:
         if pod.ns_process is None:
             raise BackendError(f"network namespace for sandbox {pod.id!r} is closed")
         path = f"/proc/{pod.ns_process.pid}/ns/net"
+        if protocol == "udp":
+            return await self._open_udp(pod, path, port)
+        if protocol != "tcp":
+            raise BackendError(f"unsupported port-forward protocol {protocol!r}")
         try:
             sock = await connect_in_netns(self.worker, path, port, label=pod.id)
         except (ConnectError, OSError) as exc:
@@ -27,3 +37,22 @@ class NetnsBackend:
                 f'failed to execute portforward in network namespace "{path}": {exc}'
             ) from exc
         return await SocketStream.from_socket(sock)
+
+    async def _open_udp(self, pod: PodRecord, path: str, port: int) -> ByteStream:
+        try:
+            sock = await self.worker.socket(path, socket.AF_INET, socket.SOCK_DGRAM)
+        except NamespaceError as exc:
+            raise BackendError(
+                f"failed to enter network namespace {path!r}: {exc.strerror}"
+            ) from exc
+        except OSError as exc:
+            raise BackendError(f"udp socket in network namespace {path!r}: {exc}") from exc
+        try:
+            sock.setblocking(False)
+            sock.connect(("127.0.0.1", port))
+        except OSError as exc:
+            sock.close()
+            raise BackendError(
+                f"failed to connect udp to localhost:{port} inside namespace {pod.id!r}: {exc}"
+            ) from exc
+        return DatagramStream(sock, label=f"udp {pod.id[:12]}:{port}")

@@ -108,6 +108,13 @@ class Metrics:
         self.upstream_errors = Counter(
             "podgate_upstream_errors", "Failures reaching the runtime", ["verb"], registry=r
         )
+        # The streams above count port-forward sessions; this counts what runs inside them.
+        self.forwards = Counter(
+            "podgate_portforward_forwards",
+            "Forwarded TCP connections and UDP flows, by outcome",
+            ["protocol", "outcome"],
+            registry=r,
+        )
 
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
         start_http_server(port, addr=host, registry=self.registry)
@@ -264,9 +271,9 @@ class GateStream(SessionHooks):
         return self
 
     # -- port-forward hooks
-    def check_port(self, port: int) -> str | None:
+    def check_port(self, port: int, protocol: str = "tcp") -> str | None:
         decision = self.gate.policy.authorize(
-            self.who.user, "portforward", self.pod.namespace, self.pod.name, port
+            self.who.user, "portforward", self.pod.namespace, self.pod.name, port, protocol
         )
         return None if decision.allowed else decision.reason
 
@@ -278,6 +285,7 @@ class GateStream(SessionHooks):
         metrics.active.labels("portforward-connection").dec()
         metrics.bytes.labels(self.verb, "in").inc(record.bytes_in)
         metrics.bytes.labels(self.verb, "out").inc(record.bytes_out)
+        metrics.forwards.labels(record.protocol, record.outcome).inc()
         if record.outcome == "denied":
             metrics.denials.labels("portforward").inc()
         elif record.outcome == "error":
@@ -285,6 +293,7 @@ class GateStream(SessionHooks):
         self.gate.audit.write(
             **self._base,
             port=record.port,
+            protocol=record.protocol,
             outcome=record.outcome,
             reason=record.reason,
             duration=round(record.duration, 6),

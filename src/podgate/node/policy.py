@@ -6,12 +6,17 @@
     namespaces = ["default"]     # fnmatch patterns; "*" = any
     pods = ["web-*"]             # fnmatch patterns; "*" = any
     verbs = ["get", "log", "exec", "portforward"]   # "*" = all
-    ports = [8080, "9000-9010"]  # portforward only; absent = any port
+    ports = [8080, "9000-9010", "53/udp"]  # portforward only; absent = any port
 
 A request is allowed when one rule matches all of it; nothing is allowed otherwise. No group
 is special (not even system:masters) unless a rule names it. Port-forward is authorized twice:
 the upgrade (no port) needs at least one allowed port on the pod, and each stream its own port,
 because ports travel inside the SPDY/WebSocket session, not in the upgrade request.
+
+Ports are TCP unless they say otherwise: `8080` and `"9000-9010"` allow TCP only (what they
+always meant), `"53/udp"` and `"5000-5010/udp"` allow UDP flows (podgate's UDP port-forward),
+and `"8080/tcp"` is the explicit spelling of a TCP entry. A rule without `ports` allows every
+port of either protocol, as it allowed every port before UDP existed.
 """
 
 from __future__ import annotations
@@ -33,10 +38,15 @@ from podgate.proto.k8s import http_status_body
 log = logging.getLogger(__name__)
 
 MIN_PORT = 1  # port 0 cannot be connected to
-MAX_PORT = 65535  # TCP ports are 16 bits
+MAX_PORT = 65535  # TCP and UDP ports are 16 bits
 ANY = "*"
+TCP = "tcp"
+UDP = "udp"
 
-_PORT_RANGE = re.compile(r"\s*(?P<first>\d{1,5})\s*(?:-\s*(?P<last>\d{1,5})\s*)?", re.ASCII)
+_PORT_RANGE = re.compile(
+    r"\s*(?P<first>\d{1,5})\s*(?:-\s*(?P<last>\d{1,5})\s*)?(?:/\s*(?P<protocol>tcp|udp)\s*)?",
+    re.ASCII | re.IGNORECASE,
+)
 
 _RULE_KEYS = frozenset({"users", "groups", "namespaces", "pods", "verbs", "ports"})
 _REQUIRED_KEYS = ("namespaces", "pods", "verbs")
@@ -59,12 +69,17 @@ class PolicyError(ValueError):
 class PortRange:
     first: int
     last: int
+    protocol: str = TCP
 
     def __contains__(self, port: object) -> bool:
         return isinstance(port, int) and self.first <= port <= self.last
 
+    def allows(self, port: int, protocol: str) -> bool:
+        return protocol == self.protocol and port in self
+
     def __str__(self) -> str:
-        return str(self.first) if self.first == self.last else f"{self.first}-{self.last}"
+        ports = str(self.first) if self.first == self.last else f"{self.first}-{self.last}"
+        return ports if self.protocol == TCP else f"{ports}/{self.protocol}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,8 +105,8 @@ class Rule:
         # A list shows the whole namespace: pod patterns do not apply to it.
         return verb is Verb.LIST or any(fnmatchcase(pod, p) for p in self.pods)
 
-    def allows_port(self, port: int) -> bool:
-        return self.ports is None or any(port in r for r in self.ports)
+    def allows_port(self, port: int, protocol: str = TCP) -> bool:
+        return self.ports is None or any(r.allows(port, protocol) for r in self.ports)
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,12 +169,16 @@ class Policy:
         namespace: str,
         pod: str,
         port: int | None = None,
+        protocol: str = TCP,
     ) -> Decision:
         """Whether `user` may `verb` the pod. `list` looks at the namespace only; `portforward`
-        without a port asks whether any port of the pod is allowed."""
+        without a port asks whether any port of the pod is allowed; with one, whether that
+        port is allowed over `protocol` ("tcp" or "udp")."""
         verb = Verb(verb)
         if port is not None and verb is not Verb.PORTFORWARD:
             raise ValueError(f"a port only applies to portforward, not {verb}")
+        if protocol not in (TCP, UDP):
+            raise ValueError(f"protocol must be {TCP!r} or {UDP!r}, not {protocol!r}")
         if self._unconditional:
             return Decision(True, "the policy allows all requests")
         if self._file is not None:
@@ -180,13 +199,15 @@ class Policy:
                     True, f"rule #{candidates[0].number} allows {who} to {verb} {target}"
                 )
             return Decision(False, f"{who} may not {verb} {target}")
+        # TCP ports are named as they always were; UDP ones carry their protocol.
+        shown = str(port) if protocol == TCP else f"{port}/{protocol}"
         for rule in candidates:
-            if rule.allows_port(port):
+            if rule.allows_port(port, protocol):
                 return Decision(
-                    True, f"rule #{rule.number} allows {who} to {verb} port {port} of {target}"
+                    True, f"rule #{rule.number} allows {who} to {verb} port {shown} of {target}"
                 )
         if candidates:
-            return Decision(False, f"port {port} is not allowed for {who} on {target}")
+            return Decision(False, f"port {shown} is not allowed for {who} on {target}")
         return Decision(False, f"{who} may not {verb} {target}")
 
     def _reload(self, *, raise_errors: bool) -> None:
@@ -273,17 +294,19 @@ def _ports(value: object, where: str) -> tuple[PortRange, ...]:
 def _port_range(item: object, where: str) -> PortRange:
     bad = PolicyError(
         f'{where}: bad port {item!r}: expected a number or a range like "9000-9010", '
-        f"within {MIN_PORT}-{MAX_PORT}"
+        f'optionally with "/udp" or "/tcp", within {MIN_PORT}-{MAX_PORT}'
     )
     if isinstance(item, bool):
         raise bad
+    protocol = TCP
     if isinstance(item, int):
         first = last = item
     elif isinstance(item, str) and (m := _PORT_RANGE.fullmatch(item)):
         first = int(m["first"])
         last = int(m["last"] or first)
+        protocol = (m["protocol"] or TCP).lower()
     else:
         raise bad
     if not MIN_PORT <= first <= last <= MAX_PORT:
         raise bad
-    return PortRange(first, last)
+    return PortRange(first, last, protocol)

@@ -5,6 +5,10 @@ Exec and attach use one upstream connection each. Port-forward keeps one upstrea
 per pod sandbox and opens a stream pair on it for every forwarded connection; a connection the
 runtime cannot make is reported by the runtime itself on the pair's error stream, and that text
 is handed on unchanged (UpstreamForwardError).
+
+The pooled session offers podgate's UDP extension first; a runtime that has it (podgate's own)
+takes it, any other (containerd, CRI-O) picks plain `portforward.k8s.io`, and a UDP forward to
+one of its pods fails with RUNTIME_NO_UDP. TCP pairs are the same under either.
 """
 
 from __future__ import annotations
@@ -45,6 +49,10 @@ ERROR_TEXT_MAX_BYTES = 64 * 1024
 ERROR_TEXT_AFTER_EOF_SECONDS = 0.25
 # apimachinery's NewInternalError prefix; the gateway's own Status adds it again.
 _INTERNAL_ERROR_PREFIX = "Internal error occurred: "
+# What a UDP forward meets when the runtime's streaming server lacks the extension.
+RUNTIME_NO_UDP = "runtime does not support UDP port-forward"
+# ...and when the gateway forwards through CRI Exec, whose forwarders carry one byte stream.
+EXEC_NO_UDP = "UDP port-forward is not supported through the exec forwarder"
 
 
 class UpstreamForwardError(ForwardError):
@@ -132,15 +140,21 @@ class CriTarget:
 
     # -- port-forward
 
-    async def open_port(self, pod: PodRef, port: int) -> ByteStream:
+    async def open_port(self, pod: PodRef, port: int, *, protocol: str = "tcp") -> ByteStream:
         if not pod.sandbox_id:
             raise TargetError(f"pod {pod} has no sandbox")
+        if protocol not in ("tcp", "udp"):
+            raise TargetError(f"unsupported port-forward protocol {protocol!r}")
         if self.exec_forwarder is not None:
+            if protocol != "tcp":
+                raise TargetError(EXEC_NO_UDP)
             return await self.exec_forwarder.open_port(pod, port)
         while True:
             entry, reused = await self._session(pod.sandbox_id)
+            if protocol == "udp" and not entry.session.supports_udp:
+                raise TargetError(RUNTIME_NO_UDP)
             try:
-                forwarded = await entry.session.open(port)
+                forwarded = await entry.session.open(port, protocol)
             except StreamError as exc:
                 if entry.usable and isinstance(exc, StreamResetError):
                     # The runtime refused this pair alone; the session is fine.
@@ -170,7 +184,7 @@ class CriTarget:
         try:
             url = await self.client.port_forward_url(sandbox_id)
             endpoint, path = endpoint_from_url(url, ssl_context=self.ssl_context)
-            session = await PortForwardSession.connect(endpoint, path)
+            session = await PortForwardSession.connect(endpoint, path, udp=True)
         except CriError as exc:
             raise TargetError(str(exc)) from exc
         except UpgradeError as exc:
@@ -358,7 +372,9 @@ def _stdio(io: ExecIO) -> dict[str, bool]:
 __all__ = [
     "ERROR_TEXT_MAX_BYTES",
     "ERROR_TEXT_WAIT_SECONDS",
+    "EXEC_NO_UDP",
     "PORTFORWARD_IDLE_SECONDS",
+    "RUNTIME_NO_UDP",
     "CriTarget",
     "UpstreamForwardError",
     "UpstreamStream",

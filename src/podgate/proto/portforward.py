@@ -3,6 +3,10 @@
 Over SPDY (`portforward.k8s.io`, also inside the WebSocket tunnel) each forwarded connection is
 an error stream plus a data stream sharing a `requestid`. The server side here mirrors the CRI
 streaming server's `portforward/httpstream.go`; the client side mirrors client-go.
+
+podgate's UDP extension (`udp.portforward.podgate.io`, described in `podgate.proto.datagram`)
+is negotiated as an extra protocol version; only under it does a pair's `protocol` header
+count.
 """
 
 from __future__ import annotations
@@ -16,22 +20,34 @@ from typing import Final
 from podgate.proto.errors import LocalProtocolError
 from podgate.proto.k8s import REASON_BAD_REQUEST, StatusError, go_quote
 from podgate.proto.remotecommand import header_value
+from podgate.proto.upgrade import PORTFORWARD_WS_PROTOCOLS, TUNNEL_PROTOCOL_PREFIX
 
 __all__ = [
+    "CLIENT_SPDY_PROTOCOLS_WITH_UDP",
+    "CLIENT_TUNNEL_PROTOCOLS_WITH_UDP",
     "HEADER_PORT",
+    "HEADER_PROTOCOL",
     "HEADER_REQUEST_ID",
     "HEADER_STREAM_TYPE",
     "MAX_PENDING_PAIRS",
     "PORTFORWARD_PROTOCOL",
+    "PORTFORWARD_TUNNEL_PROTOCOL",
+    "SERVER_SPDY_PROTOCOLS",
+    "SERVER_WS_PROTOCOLS",
     "STREAM_CREATION_TIMEOUT",
+    "UDP_PORTFORWARD_PROTOCOL",
+    "UDP_TUNNEL_PROTOCOL",
     "Duplicate",
     "Expired",
+    "ForwardProtocol",
     "Pair",
     "Pending",
     "PortForwardPairing",
     "PortForwardRequestIds",
     "Rejected",
     "StreamType",
+    "UnsupportedProtocol",
+    "allows_udp",
     "forward_error_message",
     "parse_port",
     "parse_ports",
@@ -41,6 +57,17 @@ __all__ = [
 ]
 
 PORTFORWARD_PROTOCOL: Final = "portforward.k8s.io"
+# podgate's extension: the same pairs, plus UDP pairs (`protocol: udp`). See proto/datagram.py.
+UDP_PORTFORWARD_PROTOCOL: Final = "udp.portforward.podgate.io"
+# The same two inside the KEP-4006 WebSocket tunnel.
+PORTFORWARD_TUNNEL_PROTOCOL: Final = TUNNEL_PROTOCOL_PREFIX + PORTFORWARD_PROTOCOL
+UDP_TUNNEL_PROTOCOL: Final = TUNNEL_PROTOCOL_PREFIX + UDP_PORTFORWARD_PROTOCOL
+# What a podgate client offers when it wants UDP, in preference order (client order wins).
+CLIENT_SPDY_PROTOCOLS_WITH_UDP: Final = (UDP_PORTFORWARD_PROTOCOL, PORTFORWARD_PROTOCOL)
+CLIENT_TUNNEL_PROTOCOLS_WITH_UDP: Final = (UDP_TUNNEL_PROTOCOL, PORTFORWARD_TUNNEL_PROTOCOL)
+# What podgate's servers accept for port-forward: upstream's lists plus the extension.
+SERVER_SPDY_PROTOCOLS: Final = (PORTFORWARD_PROTOCOL, UDP_PORTFORWARD_PROTOCOL)
+SERVER_WS_PROTOCOLS: Final = (*PORTFORWARD_WS_PROTOCOLS, UDP_TUNNEL_PROTOCOL)
 
 # kubelet/CRI default: how long the second stream of a pair may lag the first, seconds.
 STREAM_CREATION_TIMEOUT: Final = 30.0
@@ -51,6 +78,8 @@ MAX_PENDING_PAIRS: Final = 1000
 HEADER_STREAM_TYPE: Final = "streamtype"
 HEADER_PORT: Final = "port"
 HEADER_REQUEST_ID: Final = "requestid"
+# podgate's extension only: "tcp" (the default) or "udp".
+HEADER_PROTOCOL: Final = "protocol"
 
 # Ports are Go uint16 values; 0 is refused.
 _MAX_PORT: Final = 0xFFFF
@@ -60,6 +89,18 @@ _DIGITS_RE: Final = re.compile(r"[0-9]+")
 class StreamType(StrEnum):
     ERROR = "error"
     DATA = "data"
+
+
+class ForwardProtocol(StrEnum):
+    """What a stream pair forwards to inside the pod."""
+
+    TCP = "tcp"
+    UDP = "udp"
+
+
+def allows_udp(protocol: str) -> bool:
+    """Whether the negotiated protocol (the inner one, for the tunnel) carries UDP pairs."""
+    return protocol == UDP_PORTFORWARD_PROTOCOL
 
 
 def parse_port(text: str) -> int:
@@ -123,12 +164,26 @@ class Duplicate:
 
 @dataclass(frozen=True, slots=True)
 class Pair:
-    """Both streams arrived: reply to this one and start forwarding `port` (the data stream's)."""
+    """Both streams arrived: reply to this one and start forwarding `port` (the data stream's)
+    over `protocol` (the data stream's; always TCP unless the UDP extension was negotiated)."""
 
     request_id: str
     port: int
     error_stream_id: int
     data_stream_id: int
+    protocol: ForwardProtocol = ForwardProtocol.TCP
+
+
+@dataclass(frozen=True, slots=True)
+class UnsupportedProtocol:
+    """Both streams arrived but the data stream asked for a protocol nobody forwards: reply to
+    this one, write `message` to the error stream, then reset both."""
+
+    request_id: str
+    port: int
+    error_stream_id: int
+    data_stream_id: int
+    message: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +201,7 @@ class _HalfPair:
     error_stream_id: int | None = None
     data_stream_id: int | None = None
     data_port: int = 0
+    data_protocol: str = ForwardProtocol.TCP.value
 
 
 class PortForwardPairing:
@@ -153,7 +209,9 @@ class PortForwardPairing:
 
     Validates each new stream before it is replied to, pairs by exact `requestid`, and
     forgets a pair once it is complete (a later stream with the same id starts a new one, as
-    upstream does). `conn_label` names the connection in timeout messages.
+    upstream does). `conn_label` names the connection in timeout messages. With `udp` (the
+    extension was negotiated) the data stream's `protocol` header picks TCP or UDP; without it
+    the header is ignored.
     """
 
     def __init__(
@@ -162,10 +220,12 @@ class PortForwardPairing:
         *,
         timeout: float = STREAM_CREATION_TIMEOUT,
         max_pending: int = MAX_PENDING_PAIRS,
+        udp: bool = False,
     ) -> None:
         self.conn_label = conn_label
         self.timeout = timeout
         self.max_pending = max_pending
+        self.udp = udp
         self._pending: dict[str, _HalfPair] = {}
 
     def __len__(self) -> int:
@@ -174,7 +234,7 @@ class PortForwardPairing:
 
     def add_stream(
         self, stream_id: int, headers: Mapping[str, str], now: float
-    ) -> Rejected | Pending | Duplicate | Pair:
+    ) -> Rejected | Pending | Duplicate | Pair | UnsupportedProtocol:
         port_text = header_value(headers, HEADER_PORT)
         if not port_text:
             return Rejected(stream_id, f'"{HEADER_PORT}" header is required')
@@ -214,11 +274,23 @@ class PortForwardPairing:
                 return self._duplicate(request_id, stream_id, stream_type, half)
             half.data_stream_id = stream_id
             half.data_port = port
+            if self.udp:
+                half.data_protocol = header_value(headers, HEADER_PROTOCOL) or "tcp"
 
         if half.error_stream_id is None or half.data_stream_id is None:
             return Pending(request_id, stream_id, stream_type)
         del self._pending[request_id]
-        return Pair(request_id, half.data_port, half.error_stream_id, half.data_stream_id)
+        try:
+            protocol = ForwardProtocol(half.data_protocol)
+        except ValueError:
+            message = (
+                f"unsupported port-forward protocol {go_quote(half.data_protocol)}: "
+                f'expected "tcp" or "udp"'
+            )
+            return UnsupportedProtocol(
+                request_id, half.data_port, half.error_stream_id, half.data_stream_id, message
+            )
+        return Pair(request_id, half.data_port, half.error_stream_id, half.data_stream_id, protocol)
 
     @staticmethod
     def _duplicate(
@@ -271,12 +343,28 @@ class PortForwardRequestIds(Iterator[str]):
         return self.next()
 
 
-def stream_headers(stream_type: StreamType | str, port: int, request_id: str) -> dict[str, str]:
-    """The SYN_STREAM headers of one stream of a pair (open error first, then data)."""
+def stream_headers(
+    stream_type: StreamType | str, port: int, request_id: str, protocol: str = "tcp"
+) -> dict[str, str]:
+    """The SYN_STREAM headers of one stream of a pair (open error first, then data).
+
+    A TCP pair's headers are exactly kubectl's; a UDP pair's add `protocol: udp` (only valid
+    under the UDP extension)."""
     kind = StreamType(stream_type)
     if not 1 <= port <= _MAX_PORT:
         raise LocalProtocolError(f"port {port} is outside 1..{_MAX_PORT}")
-    return {HEADER_STREAM_TYPE: kind.value, HEADER_PORT: str(port), HEADER_REQUEST_ID: request_id}
+    try:
+        forward = ForwardProtocol(protocol)
+    except ValueError:
+        raise LocalProtocolError(f"protocol {protocol!r} is neither tcp nor udp") from None
+    headers = {
+        HEADER_STREAM_TYPE: kind.value,
+        HEADER_PORT: str(port),
+        HEADER_REQUEST_ID: request_id,
+    }
+    if forward is ForwardProtocol.UDP:
+        headers[HEADER_PROTOCOL] = forward.value
+    return headers
 
 
 # --- WebSocket channel layout (v4.channel.k8s.io) ----------------------------------------------

@@ -41,9 +41,9 @@ class RuntimeTarget:
         except (StreamError, ProtocolError) as exc:
             raise TargetError(f"cannot attach to container {record.id}: {exc}") from exc
 
-    async def open_port(self, pod: PodRef, port: int) -> ByteStream:
+    async def open_port(self, pod: PodRef, port: int, *, protocol: str = "tcp") -> ByteStream:
         try:
             record = self.runtime.get_pod(pod.sandbox_id)
-            return await self.backends.open(record, port)
+            return await self.backends.open(record, port, protocol=protocol)
         except (RuntimeError_, BackendError) as exc:
             raise TargetError(str(exc)) from exc

@@ -23,9 +23,10 @@ from podgate.aio.wschannel import ChannelSession, TunnelWire
 from podgate.proto import k8s
 from podgate.proto import portforward as pf
 from podgate.proto import remotecommand as rc
-from podgate.proto.errors import ProtocolError
+from podgate.proto.errors import LocalProtocolError, ProtocolError
 from podgate.proto.spdy import Role
 from podgate.proto.upgrade import (
+    TUNNEL_PROTOCOL_PREFIX,
     ClientHandshake,
     UpgradeResponse,
     build_spdy_request,
@@ -349,13 +350,20 @@ async def exec_websocket(
 # --------------------------------------------------------------------------- port-forward
 
 
+class UdpNotSupportedError(LocalProtocolError):
+    """A UDP stream was asked of a session whose server did not accept the UDP extension."""
+
+
 @dataclass(slots=True)
 class ForwardedStream:
-    """One forwarded connection: its data stream and the server's error text, if any."""
+    """One forwarded connection: its data stream and the server's error text, if any.
+
+    For a UDP flow the data stream carries framed datagrams (podgate.proto.datagram)."""
 
     data: SpdyStream
     error_stream: SpdyStream
     request_id: str
+    protocol: str = "tcp"
 
     async def error(self) -> str:
         """The error text the server wrote ("" when the connection ended cleanly)."""
@@ -365,47 +373,80 @@ class ForwardedStream:
                 parts.append(chunk)
         return b"".join(parts).decode(errors="replace")
 
+    async def aclose(self) -> None:
+        """Release both streams (a reset, unless both directions already ended)."""
+        await self.data.aclose()
+        await self.error_stream.aclose()
+
 
 class PortForwardSession:
-    """A port-forward connection over SPDY (direct or tunnelled); one stream pair per open()."""
+    """A port-forward connection over SPDY (direct or tunnelled); one stream pair per open().
 
-    def __init__(self, session: SpdySession, reader: asyncio.Task[None]) -> None:
+    `protocol` is the negotiated SPDY protocol (inside the tunnel, too); `supports_udp` says
+    whether the server accepted podgate's UDP extension."""
+
+    def __init__(
+        self,
+        session: SpdySession,
+        reader: asyncio.Task[None],
+        protocol: str = pf.PORTFORWARD_PROTOCOL,
+    ) -> None:
         self.session = session
+        self.protocol = protocol
         self._reader = reader
         self._ids = pf.PortForwardRequestIds()
         self._open_lock = asyncio.Lock()
 
+    @property
+    def supports_udp(self) -> bool:
+        return pf.allows_udp(self.protocol)
+
     @classmethod
     async def connect(
-        cls, endpoint: Endpoint, path: str, *, websocket: bool = False
+        cls, endpoint: Endpoint, path: str, *, websocket: bool = False, udp: bool = False
     ) -> PortForwardSession:
+        """Upgrade as kubectl does; with `udp`, offer the UDP extension first (the server may
+        still choose plain port-forward: see `supports_udp`)."""
         if not websocket:
-            session, protocol, reader = await connect_spdy(
-                endpoint, path, [pf.PORTFORWARD_PROTOCOL]
-            )
-            if protocol != pf.PORTFORWARD_PROTOCOL:
+            offered = pf.CLIENT_SPDY_PROTOCOLS_WITH_UDP if udp else (pf.PORTFORWARD_PROTOCOL,)
+            session, protocol, reader = await connect_spdy(endpoint, path, offered)
+            if protocol not in offered:
                 await session.aclose()
+                supported = " ".join(f'"{p}"' for p in offered)
                 raise UpgradeError(
-                    f'unable to negotiate protocol: client supports "{pf.PORTFORWARD_PROTOCOL}", '
+                    f"unable to negotiate protocol: client supports {supported}, "
                     f'server returned "{protocol}"'
                 )
-            return cls(session, reader)
-        conn, _ = await connect_websocket(endpoint, path, [TUNNEL_PROTOCOL])
+            return cls(session, reader, protocol)
+        tunnels = pf.CLIENT_TUNNEL_PROTOCOLS_WITH_UDP if udp else (TUNNEL_PROTOCOL,)
+        conn, chosen = await connect_websocket(endpoint, path, tunnels)
         wire = TunnelWire(conn, TunnelConnection(WsRole.CLIENT))
         session = SpdySession(
             wire, Role.CLIENT, ping_interval=TUNNEL_PING_SECONDS, idle_timeout=None
         )
         reader = asyncio.create_task(session.run(), name=f"tunnel client {path}")
-        return cls(session, reader)
+        return cls(session, reader, chosen.removeprefix(TUNNEL_PROTOCOL_PREFIX))
 
-    async def open(self, port: int) -> ForwardedStream:
-        """Open an error+data pair for `port` as client-go does (one at a time)."""
+    async def open(self, port: int, protocol: str = "tcp") -> ForwardedStream:
+        """Open an error+data pair for `port` as client-go does (one at a time).
+
+        protocol "udp" needs a session that negotiated the UDP extension (UdpNotSupportedError
+        otherwise); its data stream then carries framed datagrams."""
+        if protocol == "udp" and not self.supports_udp:
+            raise UdpNotSupportedError(
+                "the server does not support UDP port-forward: it did not accept "
+                f"{pf.UDP_PORTFORWARD_PROTOCOL} (negotiated {self.protocol})"
+            )
         async with self._open_lock:
             request_id = self._ids.next()
-            error = await self.session.open_stream(pf.stream_headers("error", port, request_id))
+            error = await self.session.open_stream(
+                pf.stream_headers("error", port, request_id, protocol)
+            )
             await error.send_eof()
-            data = await self.session.open_stream(pf.stream_headers("data", port, request_id))
-        return ForwardedStream(data, error, request_id)
+            data = await self.session.open_stream(
+                pf.stream_headers("data", port, request_id, protocol)
+            )
+        return ForwardedStream(data, error, request_id, protocol)
 
     async def aclose(self) -> None:
         await self.session.aclose()
@@ -434,6 +475,7 @@ __all__ = [
     "ForwardedStream",
     "PortForwardSession",
     "ProtocolError",
+    "UdpNotSupportedError",
     "UpgradeError",
     "endpoint_from_url",
     "exec_query",

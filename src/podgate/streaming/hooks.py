@@ -14,9 +14,13 @@ from podgate.aio.streams import DEFAULT_RECEIVE_BYTES, Buffer, ByteStream
 
 @dataclass(slots=True)
 class ForwardRecord:
-    """One forwarded connection, for audit and metrics."""
+    """One forwarded connection (TCP) or flow (UDP), for audit and metrics.
+
+    For UDP the byte counts are those of the framed stream: each datagram's payload plus its
+    2-byte length."""
 
     port: int
+    protocol: str = "tcp"  # tcp | udp
     started: float = field(default_factory=time.monotonic)
     bytes_in: int = 0  # client → pod
     bytes_out: int = 0  # pod → client
@@ -37,8 +41,9 @@ class SessionHooks:
     def negotiated(self, transport: str, protocol: str) -> None:
         """The upgrade was accepted with this transport and subprotocol."""
 
-    def check_port(self, port: int) -> str | None:
-        """None to allow a forward to `port`, else the reason it is refused."""
+    def check_port(self, port: int, protocol: str = "tcp") -> str | None:
+        """None to allow a forward to `port` over `protocol` (tcp, udp), else the reason it is
+        refused."""
         return None
 
     def forward_started(self, record: ForwardRecord) -> None:

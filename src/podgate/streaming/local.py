@@ -18,6 +18,7 @@ import struct
 import termios
 from collections.abc import Mapping, Sequence
 
+from podgate.aio.datagram import DatagramStream, connected_udp_socket
 from podgate.aio.errors import ConnectError, StreamError
 from podgate.aio.streams import ByteStream, SocketStream
 from podgate.streaming.target import ExecIO, PodRef, TargetError
@@ -36,7 +37,10 @@ OUTPUT_DRAIN_SECONDS = 2.0
 
 
 class LocalTarget:
-    """Pods are local: exec runs processes, open_port dials 127.0.0.1 (then ::1)."""
+    """Pods are local: exec runs processes, open_port dials 127.0.0.1 (then ::1, for TCP).
+
+    `port_map` maps a pod port to a local one, for TCP and UDP alike; `udp_port_map`, when
+    given, overrides it for UDP."""
 
     def __init__(
         self,
@@ -44,13 +48,26 @@ class LocalTarget:
         port_map: Mapping[int, int] | None = None,
         attach_command: Sequence[str] = ("cat",),
         cwd: str | None = None,
+        udp_port_map: Mapping[int, int] | None = None,
     ) -> None:
         self.port_map = dict(port_map or {})
+        self.udp_port_map = dict(udp_port_map or {})
         self.attach_command = tuple(attach_command)
         self.cwd = cwd
         self._attach_lock = asyncio.Lock()
 
-    async def open_port(self, pod: PodRef, port: int) -> ByteStream:
+    async def open_port(self, pod: PodRef, port: int, *, protocol: str = "tcp") -> ByteStream:
+        if protocol == "udp":
+            local = self.udp_port_map.get(port, self.port_map.get(port, port))
+            try:
+                sock = connected_udp_socket("127.0.0.1", local)
+            except OSError as exc:
+                raise TargetError(
+                    f'failed to open udp to localhost:{port} inside pod "{pod}": {exc}'
+                ) from exc
+            return DatagramStream(sock, label=f"udp {pod}:{port}")
+        if protocol != "tcp":
+            raise TargetError(f"unsupported port-forward protocol {protocol!r}")
         local = self.port_map.get(port, port)
         errors = []
         for host in ("127.0.0.1", "::1"):

@@ -1,4 +1,9 @@
-"""Port-forward sessions, server side: SPDY stream pairs and WebSocket channel pairs."""
+"""Port-forward sessions, server side: SPDY stream pairs and WebSocket channel pairs.
+
+Under podgate's UDP extension (negotiated; see podgate.proto.datagram) a SPDY pair may be a
+UDP flow: the target's stream then carries framed datagrams, and the same splice, hooks and
+error stream handle it. WebSocket v4 channel pairs are TCP only.
+"""
 
 from __future__ import annotations
 
@@ -32,11 +37,12 @@ class SpdyPortForwardServer:
         *,
         label: str = "",
         hooks: SessionHooks = NO_HOOKS,
+        udp: bool = False,
     ) -> None:
         self.pod = pod
         self.target = target
         self.hooks = hooks
-        self.pairing = pf.PortForwardPairing(conn_label=label or hex(id(self)))
+        self.pairing = pf.PortForwardPairing(conn_label=label or hex(id(self)), udp=udp)
         self._streams: dict[int, SpdyStream] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -56,7 +62,10 @@ class SpdyPortForwardServer:
             stream.reset()
             self._streams.pop(stream.stream_id, None)
         elif isinstance(result, pf.Pair):
-            self._spawn(self._forward(result), f"pf {result.port} req {result.request_id}")
+            name = f"pf {result.port}/{result.protocol} req {result.request_id}"
+            self._spawn(self._forward(result), name)
+        elif isinstance(result, pf.UnsupportedProtocol):
+            self._spawn(self._unsupported(result), f"pf {result.port} bad protocol")
 
     async def serve(self, session: SpdySession) -> None:
         """Run the session until it ends, expiring incomplete pairs, then stop all forwards."""
@@ -98,11 +107,20 @@ class SpdyPortForwardServer:
             stream.reset()
             self._streams.pop(error_stream_id, None)
 
+    async def _unsupported(self, refused: pf.UnsupportedProtocol) -> None:
+        error = self._streams.pop(refused.error_stream_id)
+        data = self._streams.pop(refused.data_stream_id)
+        message = pf.forward_error_message(
+            refused.port, self.pod.label, self.pod.uid, refused.message
+        )
+        log.info("port-forward %s: %s", self.pod, message)
+        await self._fail(error, data, message)
+
     async def _forward(self, pair: pf.Pair) -> None:
         error = self._streams.pop(pair.error_stream_id)
         data = self._streams.pop(pair.data_stream_id)
         self.pairing.remove(pair.request_id)
-        record = ForwardRecord(pair.port)
+        record = ForwardRecord(pair.port, pair.protocol.value)
         self.hooks.forward_started(record)
         try:
             await self._run_pair(pair, error, data, record)
@@ -112,13 +130,15 @@ class SpdyPortForwardServer:
     async def _run_pair(
         self, pair: pf.Pair, error: SpdyStream, data: SpdyStream, record: ForwardRecord
     ) -> None:
-        denied = self.hooks.check_port(pair.port)
+        denied = self.hooks.check_port(pair.port, pair.protocol.value)
         if denied is not None:
             record.outcome, record.reason = "denied", denied
             await self._fail(error, data, denied)
             return
         try:
-            upstream = await self.target.open_port(self.pod, pair.port)
+            upstream = await self.target.open_port(
+                self.pod, pair.port, protocol=pair.protocol.value
+            )
         except TargetError as exc:
             message = pf.forward_error_message(pair.port, self.pod.label, self.pod.uid, str(exc))
             record.outcome, record.reason = "error", message
@@ -167,14 +187,14 @@ async def serve_websocket_portforward(
         record = ForwardRecord(port)
         hooks.forward_started(record)
         try:
-            denied = hooks.check_port(port)
+            denied = hooks.check_port(port, "tcp")
             if denied is not None:
                 record.outcome, record.reason = "denied", denied
                 with contextlib.suppress(StreamError):
                     await error_ch.send(denied.encode())
                 return
             try:
-                upstream = await target.open_port(pod, port)
+                upstream = await target.open_port(pod, port, protocol="tcp")
             except TargetError as exc:
                 message = pf.forward_error_message(port, pod.label, pod.uid, str(exc))
                 record.outcome, record.reason = "error", message

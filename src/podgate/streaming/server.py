@@ -15,6 +15,7 @@ from podgate.aio.spdy import SpdySession
 from podgate.aio.streams import SocketStream
 from podgate.aio.wschannel import ChannelSession, TunnelWire
 from podgate.proto import k8s
+from podgate.proto import portforward as pf
 from podgate.proto import remotecommand as rc
 from podgate.proto.errors import ProtocolError
 from podgate.proto.spdy import Role
@@ -90,7 +91,17 @@ async def serve_stream(
         await reject(conn, handshake, 400, "BadRequest", exc.message)
         return None
 
-    decision = negotiate(request.method, request.headers, what.kind)
+    if what.kind is StreamKind.PORTFORWARD:
+        # podgate's UDP extension is one more protocol version; kubectl never offers it.
+        decision = negotiate(
+            request.method,
+            request.headers,
+            what.kind,
+            spdy_protocols=pf.SERVER_SPDY_PROTOCOLS,
+            ws_protocols=pf.SERVER_WS_PROTOCOLS,
+        )
+    else:
+        decision = negotiate(request.method, request.headers, what.kind)
     if isinstance(decision, Rejected):
         await conn.send(handshake.respond(decision.status, decision.headers, decision.body))
         return None
@@ -120,7 +131,13 @@ async def serve_stream(
     if decision.transport is Transport.SPDY:
         session = SpdySession(conn, Role.SERVER, idle_timeout=idle_timeout, name=label)
         if what.kind is StreamKind.PORTFORWARD:
-            server = SpdyPortForwardServer(what.pod, target, label=label, hooks=what.hooks)
+            server = SpdyPortForwardServer(
+                what.pod,
+                target,
+                label=label,
+                hooks=what.hooks,
+                udp=pf.allows_udp(decision.inner_protocol),
+            )
             session.on_stream = server.on_stream
             await server.serve(session)
             return None
@@ -129,7 +146,13 @@ async def serve_stream(
     if decision.transport is Transport.WEBSOCKET_TUNNEL:
         wire = TunnelWire(conn, TunnelConnection(WsRole.SERVER))
         session = SpdySession(wire, Role.SERVER, idle_timeout=idle_timeout, name=label)
-        server = SpdyPortForwardServer(what.pod, target, label=label, hooks=what.hooks)
+        server = SpdyPortForwardServer(
+            what.pod,
+            target,
+            label=label,
+            hooks=what.hooks,
+            udp=pf.allows_udp(decision.inner_protocol),
+        )
         session.on_stream = server.on_stream
         await server.serve(session)
         return None

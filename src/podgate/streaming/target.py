@@ -55,6 +55,10 @@ class StreamTarget(Protocol):
         """Connect `io` to the container's main process; return its exit code."""
         ...
 
-    async def open_port(self, pod: PodRef, port: int) -> ByteStream:
-        """A byte stream to `port` inside the pod; TargetError if it cannot be reached."""
+    async def open_port(self, pod: PodRef, port: int, *, protocol: str = "tcp") -> ByteStream:
+        """A byte stream to `port` inside the pod; TargetError if it cannot be reached.
+
+        For protocol "udp" the stream carries framed datagrams (podgate.proto.datagram) to and
+        from a UDP socket connected to the pod's 127.0.0.1:`port`; closing the stream (or its
+        EOF) closes that socket."""
         ...

@@ -16,10 +16,13 @@ The muxer and the agent die with the shim (PR_SET_PDEATHSIG); the guest does not
 outlive a shim crash. When the agent or the muxer exits, connections through them are aborted
 and both are started again.
 
-PortForward(id, port, addr): a dial-back listener DIR/v.sock_P is shared by every connection to
-the same (container, port) and closed when the last one ends (Kata PR #5979's pool, on hybrid
-vsock). It listens BEFORE the agent is asked to connect to the port and dial back to vsock port
-P; the agent's connection must arrive within 10 s; then the shim dials `addr` and copies.
+PortForward(id, port, addr, protocol): a dial-back listener DIR/v.sock_P is shared by every
+connection to the same (container, port, protocol) and closed when the last one ends (Kata PR
+#5979's pool, on hybrid vsock). It listens BEFORE the agent is asked to connect to the port and
+dial back to vsock port P; the agent's connection must arrive within 10 s; then the shim dials
+`addr` and copies. A UDP flow (protocol "udp") travels the same way as framed datagrams; the
+shim only checks that the agent's reply confirms UDP (an agent that predates the field would
+have connected TCP) and otherwise copies bytes as for TCP.
 """
 
 from __future__ import annotations
@@ -188,9 +191,9 @@ class _Arrival:
 
 @dataclass(slots=True)
 class _Pool:
-    """The dial-back listener shared by every connection to one (container, port)."""
+    """The dial-back listener shared by every connection to one (container, port, protocol)."""
 
-    key: tuple[str, int]
+    key: tuple[str, int, str]
     vsock_port: int
     listener: vsock.Listener | None = None
     arrivals: asyncio.Queue[_Arrival] = field(default_factory=asyncio.Queue)
@@ -209,7 +212,7 @@ class SandboxShim:
         self.device = vsock.parse_address(f"hvsock://{run_dir / 'v.sock'}")
         self.agent_address = self.device.with_port(AGENT_VSOCK_PORT)
         self.stats = shim_pb2.StatsResponse()
-        self._pools: dict[tuple[str, int], _Pool] = {}
+        self._pools: dict[tuple[str, int, str], _Pool] = {}
         self._pool_lock = asyncio.Lock()
         self._free_ports: list[int] = []
         self._next_port = FIRST_DIAL_BACK_PORT
@@ -415,7 +418,7 @@ class SandboxShim:
 
     # -- the dial-back pool
 
-    async def _acquire(self, key: tuple[str, int]) -> _Pool:
+    async def _acquire(self, key: tuple[str, int, str]) -> _Pool:
         async with self._pool_lock:
             pool = self._pools.get(key)
             if pool is None:
@@ -465,6 +468,9 @@ class SandboxShim:
             raise TtrpcError(Code.INVALID_ARGUMENT, f"bad PortForwardRequest: {exc}") from exc
         if not 1 <= request.port <= 65535:
             raise TtrpcError(Code.INVALID_ARGUMENT, f"invalid port {request.port}")
+        protocol = request.protocol or "tcp"
+        if protocol not in ("tcp", "udp"):
+            raise TtrpcError(Code.INVALID_ARGUMENT, f"invalid protocol {request.protocol!r}")
         try:
             addr = vsock.parse_address(request.addr)
         except vsock.AddressError as exc:
@@ -472,11 +478,11 @@ class SandboxShim:
         if addr.scheme is not vsock.Scheme.UNIX:
             raise TtrpcError(Code.INVALID_ARGUMENT, f"addr {request.addr!r} is not unix://PATH")
         agent = await self._agent_client()
-        pool = await self._acquire((request.id, request.port))
+        pool = await self._acquire((request.id, request.port, protocol))
         handed_over = False
         arrival: _Arrival | None = None
         try:
-            arrival = await self._ask_agent(agent, request, pool)
+            arrival = await self._ask_agent(agent, request, protocol, pool)
             try:
                 runtime_side = await vsock.connect(addr)
             except (ConnectError, OSError) as exc:
@@ -496,14 +502,21 @@ class SandboxShim:
         return empty_pb2.Empty().SerializeToString()
 
     async def _ask_agent(
-        self, agent: TtrpcClient, request: shim_pb2.PortForwardRequest, pool: _Pool
+        self,
+        agent: TtrpcClient,
+        request: shim_pb2.PortForwardRequest,
+        protocol: str,
+        pool: _Pool,
     ) -> _Arrival:
         message = agent_pb2.PortForwardRequest(
-            container_id=request.id, port=request.port, vsock_port=pool.vsock_port
+            container_id=request.id,
+            port=request.port,
+            vsock_port=pool.vsock_port,
+            protocol="" if protocol == "tcp" else protocol,
         )
         self.stats.agent_port_forwards += 1
         try:
-            await agent.call(
+            reply = await agent.call(
                 AGENT_SERVICE,
                 "PortForward",
                 message.SerializeToString(),
@@ -536,13 +549,20 @@ class SandboxShim:
             ) from exc
         try:
             async with asyncio.timeout(DIAL_BACK_TIMEOUT_SECONDS):
-                return await pool.arrivals.get()
+                arrival = await pool.arrivals.get()
         except TimeoutError:
             raise TtrpcError(
                 Code.DEADLINE_EXCEEDED,
                 f"timeout: the agent did not connect back on vsock port {pool.vsock_port} "
                 f"within {DIAL_BACK_TIMEOUT_SECONDS:g} s",
             ) from None
+        if protocol != "tcp" and _answered_protocol(reply) != protocol:
+            # An agent that ignored the field connected TCP: never hand that on as UDP.
+            arrival.done.set()
+            raise TtrpcError(
+                Code.UNIMPLEMENTED, f"the sandbox agent does not support {protocol} port-forward"
+            )
+        return arrival
 
     async def _run_relay(self, relay: _Relay, arrival: _Arrival, pool: _Pool) -> None:
         self._relays.add(relay)
@@ -578,6 +598,13 @@ class SandboxShim:
             task.cancel()
         if tasks:
             await asyncio.wait(tasks)
+
+
+def _answered_protocol(reply: bytes) -> str:
+    try:
+        return agent_pb2.PortForwardResponse.FromString(reply).protocol or "tcp"
+    except DecodeError:
+        return ""
 
 
 async def _stop_child(proc: asyncio.subprocess.Process) -> None:

@@ -3,7 +3,7 @@
 isort:skip_file
 The sandbox shim's API, served over ttrpc on <pod run dir>/shim.sock (package podgate.shim.v1).
 PortForward keeps containerd PR #4814's request numbering (id=1, port=2 int32, addr=3) and its
-google.protobuf.Empty reply.
+google.protobuf.Empty reply; protocol=4 is podgate's (UDP port-forward).
 """
 
 from google.protobuf import descriptor as _descriptor
@@ -26,19 +26,23 @@ class PortForwardRequest(_message.Message):
     ID_FIELD_NUMBER: _builtins.int
     PORT_FIELD_NUMBER: _builtins.int
     ADDR_FIELD_NUMBER: _builtins.int
+    PROTOCOL_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     port: _builtins.int
     addr: _builtins.str
+    protocol: _builtins.str
+    """"" or "tcp": a TCP connection; "udp": a UDP flow (podgate extension)."""
     def __init__(
         self,
         *,
         id: _builtins.str = ...,
         port: _builtins.int = ...,
         addr: _builtins.str = ...,
+        protocol: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["addr", b"addr", "id", b"id", "port", b"port"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["addr", b"addr", "id", b"id", "port", b"port", "protocol", b"protocol"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

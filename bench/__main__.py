@@ -21,6 +21,7 @@ from types import FrameType
 
 from rich.console import Console
 
+from bench import forward as bench_forward
 from bench import gateway as bench_gateway
 from bench import runtime as bench_runtime
 from bench.common import LOOP_CHOICES, format_size, parse_size
@@ -143,6 +144,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         f"at least {bench_gateway.MIN_FLOOD_SECONDS:g})",
     )
     parser.add_argument(
+        "--forward",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also compare podgate port-forward with kubectl port-forward through `podgate "
+        "node` into a real pod: TCP, connection setup, UDP (default: on as root, unless "
+        "--skip-kubectl)",
+    )
+    parser.add_argument(
+        "--forward-paths",
+        type=_names(bench_forward.FORWARD_PATH_NAMES),
+        default=list(bench_forward.DEFAULT_FORWARD_PATHS),
+        help="comma-separated forward paths (default: all but the *-spdy ones)",
+    )
+    parser.add_argument(
+        "--udp-datagrams",
+        type=int,
+        help="datagrams per UDP run of the forward part, 0 skips (default "
+        f"{bench_forward.UDP_DATAGRAMS} at --size 1G, proportionally fewer for smaller sizes)",
+    )
+    parser.add_argument(
         "--json",
         type=Path,
         default=RESULTS_DIR / "latest.json",
@@ -205,6 +226,10 @@ def main(argv: list[str] | None = None) -> int:
         args.gateway if args.gateway is not None else os.geteuid() == 0 and not args.skip_kubectl
     )
     gateway = None
+    with_forward = (
+        args.forward if args.forward is not None else os.geteuid() == 0 and not args.skip_kubectl
+    )
+    forward = None
     try:
         results = run_all(options, progress=progress)
         if with_runtime and options.throughput:
@@ -212,6 +237,10 @@ def main(argv: list[str] | None = None) -> int:
         if with_gateway and options.throughput:
             gateway = bench_gateway.run_gateway(
                 options, progress, args.flood_seconds, args.gateway_paths
+            )
+        if with_forward:
+            forward = bench_forward.run_forward(
+                options, progress, args.forward_paths, args.udp_datagrams
             )
     except ChildError as exc:
         err.print(f"[red]bench failed: {exc}[/red]")
@@ -224,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         data["runtime"] = runtime
     if gateway is not None:
         data["gateway"] = gateway
+    if forward is not None:
+        data["forward"] = forward
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(data, indent=1) + "\n")
     md_path = args.markdown or args.json.with_suffix(".md")
@@ -231,15 +262,20 @@ def main(argv: list[str] | None = None) -> int:
         markdown(data)
         + ("\n" + bench_runtime.markdown(runtime) if runtime is not None else "")
         + ("\n" + bench_gateway.markdown(gateway) if gateway is not None else "")
+        + ("\n" + bench_forward.markdown(forward) if forward is not None else "")
     )
     print_report(data, console)
     if runtime is not None:
         bench_runtime.print_report(runtime, console)
     if gateway is not None:
         bench_gateway.print_report(gateway, console)
+    if forward is not None:
+        bench_forward.print_report(forward, console)
     console.print(f"results: {args.json} and {md_path}")
     failed = [s for s in data["summary"]["throughput"] + data["summary"]["conns"] if s["errors"]]
     if gateway is not None and bench_gateway.failed(gateway):
+        return 1
+    if forward is not None and bench_forward.failed(forward):
         return 1
     return 1 if failed or (runtime is not None and bench_runtime.failed(runtime)) else 0
 

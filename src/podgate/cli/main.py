@@ -7,7 +7,9 @@ import click
 from podgate import __version__
 from podgate.cli.agent import agent
 from podgate.cli.demo import demo
+from podgate.cli.exec import attach_command, exec_command
 from podgate.cli.node import node
+from podgate.cli.portforward import port_forward
 from podgate.cli.runtime import runtime
 from podgate.cli.up import up
 
@@ -19,7 +21,10 @@ def main() -> None:
 
 
 main.add_command(agent)
+main.add_command(attach_command)
 main.add_command(demo)
+main.add_command(exec_command)
 main.add_command(node)
+main.add_command(port_forward)
 main.add_command(runtime)
 main.add_command(up)

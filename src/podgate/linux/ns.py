@@ -60,9 +60,12 @@ CLONE_NEWPID: Final = 0x20000000
 CLONE_NEWNET: Final = 0x40000000
 
 # <linux/mount.h>
+MS_RDONLY: Final = 0x1
 MS_NOSUID: Final = 0x2
 MS_NODEV: Final = 0x4
 MS_NOEXEC: Final = 0x8
+MS_REMOUNT: Final = 0x20
+MS_BIND: Final = 0x1000
 MS_REC: Final = 0x4000
 MS_PRIVATE: Final = 0x40000
 

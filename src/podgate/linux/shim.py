@@ -123,6 +123,8 @@ class ShimSpec:
     pid_mode: NamespaceMode = NamespaceMode.CONTAINER
     log_file: str = ""  # CRI log file; "" = no log
     shim_log: str = ""  # the shim's own stderr; "" = `<ready_file>.log`
+    # Bind mounts {"host_path", "container_path", "readonly"} (CRI Mount and NRI adjustments).
+    mounts: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -143,6 +145,7 @@ class ShimSpec:
             "pid_mode": int(self.pid_mode),
             "log_file": self.log_file,
             "shim_log": self.shim_log,
+            "mounts": [dict(m) for m in self.mounts],
         }
 
     @classmethod
@@ -311,6 +314,26 @@ def _open_namespaces(spec: ShimSpec) -> list[tuple[int, int]]:
     return fds
 
 
+def _bind_mount(root_dir: str, bind: dict[str, Any]) -> None:
+    """One bind mount in the container's mount namespace. Under a root directory a missing
+    destination is created (like containerd in a rootfs); on the host's filesystem it must
+    exist, so a container never adds paths to the host."""
+    source, target = str(bind["host_path"]), str(bind["container_path"])
+    if not os.path.isabs(target):
+        raise OSError(errno.EINVAL, f"mount destination {target!r} is not absolute")
+    if root_dir:
+        target = os.path.join(root_dir, target.lstrip("/"))
+        if not os.path.lexists(target):
+            if os.path.isdir(source):
+                os.makedirs(target, exist_ok=True)
+            else:
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                open(target, "a").close()
+    ns.mount(source, target, None, ns.MS_BIND | ns.MS_REC)
+    if bind.get("readonly"):
+        ns.mount(None, target, None, ns.MS_BIND | ns.MS_REMOUNT | ns.MS_RDONLY | ns.MS_REC)
+
+
 def _child(spec: ShimSpec, stdio: _Stdio, ns_fds: list[tuple[int, int]], report: int) -> None:
     """Runs in the forked child; never returns. Failures are written to `report`."""
     step = "setsid"
@@ -328,6 +351,9 @@ def _child(spec: ShimSpec, stdio: _Stdio, ns_fds: list[tuple[int, int]], report:
         step = "create mount namespace"
         ns.unshare(ns.CLONE_NEWNS)
         ns.make_mounts_private()
+        for bind in spec.mounts:
+            step = f"mount {bind.get('host_path')!r} on {bind.get('container_path')!r}"
+            _bind_mount(spec.root_dir, bind)
         if spec.root_dir:
             step = f"chroot to {spec.root_dir!r}"
             os.chroot(spec.root_dir)

@@ -367,6 +367,7 @@ class Runtime:
                 log_file=container.log_file,
                 exit_file=str(run / "exit.json"),
                 attach_socket=str(run / "attach.sock"),
+                mounts=[m for m in spec.mounts if m.get("host_path") and m.get("container_path")],
                 ready_file=str(run / "ready.json"),
                 shim_log=str(run / "shim.log"),
             )

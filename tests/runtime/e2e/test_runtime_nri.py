@@ -82,6 +82,20 @@ class SetEnv(Plugin):
         return adjust
 sys.exit(run_plugin(SetEnv(), sys.argv[2:]))
 """
+# An external plugin that bind-mounts argv[1] on /mnt and annotates every container.
+MOUNT_PLUGIN = r"""
+import sys
+from podgate.nri import api_pb2 as api
+from podgate.nri.plugin import Plugin, run_plugin
+class AddMount(Plugin):
+    async def create_container(self, pod, container):
+        adjust = api.ContainerAdjustment()
+        options = ["rbind", "ro"]
+        adjust.mounts.add(destination="/mnt", type="bind", source=sys.argv[1], options=options)
+        adjust.annotations["podgate.test/mounted"] = "yes"
+        return adjust
+sys.exit(run_plugin(AddMount(), sys.argv[2:]))
+"""
 # An external plugin that never answers RunPodSandbox.
 HANG_PLUGIN = r"""
 import asyncio, sys
@@ -403,6 +417,34 @@ async def test_one_plugin_sets_env_seen_by_the_container() -> None:
                 pod = await pods.run("adjusted")
                 container = await pods.create(pod, "c", ["sleep", "600"])
                 assert await exec_in(rt, container, ["sh", "-c", "echo $FOO"]) == "from-nri"
+
+
+async def test_plugin_mount_and_annotation_reach_the_container(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "marker").write_text("from the host\n")
+    with (
+        nri_runtime([], extra=["--network", "none"]) as run,
+        external_plugin(run, MOUNT_PLUGIN, "mount", "40", str(shared)),
+    ):
+        async with run.pods() as (pods, rt):
+            pod = await pods.run("mounted")
+            container = await pods.create(pod, "c", ["sleep", "600"])
+            assert await exec_in(rt, container, ["cat", "/mnt/marker"]) == "from the host"
+            # Read-only, as the plugin asked; and only inside the container's mount namespace.
+            denied = await rt.ExecSync(
+                pb.ExecSyncRequest(container_id=container, cmd=["touch", "/mnt/new"], timeout=10)
+            )
+            assert denied.exit_code != 0
+            assert b"Read-only file system" in denied.stderr
+            assert not Path("/mnt/marker").exists()
+            status = (
+                await rt.ContainerStatus(pb.ContainerStatusRequest(container_id=container))
+            ).status
+            assert status.annotations["podgate.test/mounted"] == "yes"
+            assert [(m.host_path, m.container_path, m.readonly) for m in status.mounts] == [
+                (str(shared), "/mnt", True)
+            ]
 
 
 async def test_plugin_that_never_answers_is_dropped() -> None:

@@ -172,7 +172,7 @@ async def podgate_open(via: str, port: int, remote: int) -> tuple[ByteStream, Cl
                 await reader
 
         return streams[remote], close_ws
-    session = await PortForwardSession.connect(endpoint, path, websocket=via == "tunnel")
+    session = await PortForwardSession.connect(endpoint, path, websocket=via == "tunnel", udp=True)
     try:
         forwarded = await session.open(remote)
     except BaseException:
@@ -243,7 +243,7 @@ async def podgate_stream_conns(
     """New forwarded connections on one open session: open the stream pair, echo, reset."""
     endpoint = Endpoint("127.0.0.1", port)
     path = pod_path(POD_NAMESPACE, POD_NAME, "portforward")
-    session = await PortForwardSession.connect(endpoint, path, websocket=via == "tunnel")
+    session = await PortForwardSession.connect(endpoint, path, websocket=via == "tunnel", udp=True)
     latencies: list[float] = []
     deadline = time.monotonic() + budget
     try:

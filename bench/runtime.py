@@ -791,7 +791,9 @@ async def open_forward(via: str, url: str, remote: int) -> tuple[ByteStream, Clo
                 await reader
 
         return streams[remote], close_ws
-    session = await PortForwardSession.connect(endpoint, parts.path, websocket=via == "tunnel")
+    session = await PortForwardSession.connect(
+        endpoint, parts.path, websocket=via == "tunnel", udp=True
+    )
     try:
         forwarded = await session.open(remote)
     except BaseException:
@@ -940,7 +942,9 @@ async def forward_setup(url: str, remote: int, count: int, budget: float) -> dic
     parts = urlsplit(url)
     if parts.hostname is None or parts.port is None:
         raise ValueError(f"unexpected streaming URL {url!r}")
-    session = await PortForwardSession.connect(Endpoint(parts.hostname, parts.port), parts.path)
+    session = await PortForwardSession.connect(
+        Endpoint(parts.hostname, parts.port), parts.path, udp=True
+    )
     latencies: list[float] = []
     error = None
     try:

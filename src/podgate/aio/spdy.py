@@ -1,10 +1,16 @@
 """asyncio driver for the SPDY/3.1 core: one read loop, one ByteStream per SPDY stream.
 
 The read loop feeds bytes to the sans-IO core and hands each stream's data to that stream's
-bounded buffer. A full buffer makes the read loop wait, which stops reading the socket: a slow
-consumer is paid for with TCP backpressure, never with memory. (Kubernetes' SPDY has no flow
-control, so this head-of-line blocking is the only backpressure there is; spdystream does the
-same.)
+bounded buffer. Without flow control (every Kubernetes peer) a full buffer makes the read loop
+wait, which stops reading the socket: a slow consumer is paid for with TCP backpressure, never
+with memory, but it stalls every other stream on the connection too. Kubernetes' SPDY has no
+flow control, so this head-of-line blocking is the only backpressure there is; spdystream does
+the same.
+
+With flow control (`flow_control_window`, only when the peer is podgate) each stream's sender
+waits for window instead, and the receiver hands window back as the application reads. The
+peer can never have more than one window of unread data on a stream, so the read loop never
+waits for a stream and one stalled stream costs at most its window of memory.
 """
 
 from __future__ import annotations
@@ -35,21 +41,29 @@ from podgate.proto.spdy.events import (
     Event,
     GoAwayReceived,
     PingAcknowledged,
+    StreamAborted,
     StreamOpened,
     StreamReplied,
     StreamReset,
+    WindowUpdated,
 )
 
 log = logging.getLogger(__name__)
 
 # How long a client waits for SYN_REPLY, as client-go's createStreamResponseTimeout.
 STREAM_REPLY_TIMEOUT_SECONDS = 30.0
-# Received bytes one stream may hold unread before the whole connection stops reading.
+# Received bytes one stream may hold unread before the whole connection stops reading
+# (without flow control; with it, the window bounds a stream instead).
 MAX_QUEUED_BYTES_PER_STREAM = 2 * 1024 * 1024
+# With flow control, window is handed back once the application has read this fraction
+# (1/N) of it: few WINDOW_UPDATE frames, yet a reader that keeps up never lets the sender stall.
+WINDOW_UPDATE_DIVISOR = 2
 # client-go pings every 5 s on a direct SPDY connection (10 s inside the WebSocket tunnel).
 CLIENT_PING_INTERVAL_SECONDS = 5.0
 # Kubernetes' default streaming idle timeout (kubelet, containerd, CRI streaming server).
 DEFAULT_IDLE_TIMEOUT_SECONDS = 4 * 3600.0
+# How long aclose waits for GOAWAY and the RST_STREAMs to be written before closing anyway.
+CLOSE_DRAIN_SECONDS = 5.0
 # SPDY DATA payload size podgate sends: large frames cost less per byte, and kubectl's
 # framer accepts anything up to the 24-bit limit.
 SEND_DATA_FRAME_BYTES = 256 * 1024
@@ -71,6 +85,8 @@ class SpdyStream(ByteStream):
         self._readable = asyncio.Event()
         self._writable = asyncio.Event()
         self._writable.set()
+        self._window_open = asyncio.Event()  # flow control: the peer granted more window
+        self._consumed = 0  # flow control: bytes read by the application, window not yet returned
         self.bytes_received = 0
         self.bytes_sent = 0
 
@@ -118,20 +134,33 @@ class SpdyStream(ByteStream):
                 size += len(nxt)
             chunk = b"".join(parts)
         self._queued -= len(chunk)
-        if self._queued <= MAX_QUEUED_BYTES_PER_STREAM:
+        if self.session._update_threshold:
+            self._consumed += len(chunk)
+            if self._consumed >= self.session._update_threshold:
+                self._return_window()
+        elif self._queued <= MAX_QUEUED_BYTES_PER_STREAM:
             self._writable.set()
         return chunk
 
+    def _return_window(self) -> None:
+        session = self.session
+        delta, self._consumed = self._consumed, 0
+        if self._fin_received or self._reset is not None or session.broken is not None:
+            return  # the peer sends no more here: nothing to return
+        with contextlib.suppress(ProtocolError):  # the connection failed meanwhile
+            session._core.window_update(self.stream_id, delta)
+            session._flush()
+
     async def send(self, data: Buffer) -> None:
-        if self._reset is not None:
-            raise self._reset
-        if self._fin_sent or self._closed:
-            raise ClosedStreamError("write on closed stream")
+        self._check_writable()
         if not data:
             return
         session = self.session
         if session.broken is not None:
             raise session.broken
+        if session._update_threshold:
+            await self._send_windowed(memoryview(data).cast("B"))
+            return
         try:
             session._core.send_data(self.stream_id, data)
         except ProtocolError as exc:
@@ -139,6 +168,38 @@ class SpdyStream(ByteStream):
         self.bytes_sent += len(data)
         session._flush()
         await session._drain()
+
+    def _check_writable(self) -> None:
+        if self._reset is not None:
+            raise self._reset
+        if self._fin_sent or self._closed:
+            raise ClosedStreamError("write on closed stream")
+
+    async def _send_windowed(self, view: memoryview) -> None:
+        """Send as much as the stream's window allows, then wait for the peer to grant more."""
+        session = self.session
+        core = session._core
+        while view:
+            # Checked again on every turn: the stream or the connection may end while we wait.
+            self._check_writable()
+            if session.broken is not None:
+                raise session.broken
+            try:
+                window = core.send_window(self.stream_id)
+            except ProtocolError as exc:
+                raise ClosedStreamError(str(exc)) from exc
+            if window == 0:
+                self._window_open.clear()
+                await self._window_open.wait()
+                continue
+            piece, view = view[:window], view[window:]
+            try:
+                core.send_data(self.stream_id, piece)
+            except ProtocolError as exc:
+                raise ClosedStreamError(str(exc)) from exc
+            self.bytes_sent += len(piece)
+            session._flush()
+            await session._drain()
 
     async def send_eof(self) -> None:
         if self._fin_sent or self._reset is not None or self._closed:
@@ -167,7 +228,8 @@ class SpdyStream(ByteStream):
             self._chunks.append(data)
             self._queued += len(data)
             self.bytes_received += len(data)
-            if self._queued > MAX_QUEUED_BYTES_PER_STREAM:
+            # Under flow control the core already bounds what the peer may send.
+            if self._queued > MAX_QUEUED_BYTES_PER_STREAM and not self.session._update_threshold:
                 self._writable.clear()
         if fin:
             self._fin_received = True
@@ -188,6 +250,7 @@ class SpdyStream(ByteStream):
             self._chunks.clear()
         self._readable.set()
         self._writable.set()
+        self._window_open.set()
         self.session._forget(self.stream_id)
 
     @property
@@ -211,10 +274,19 @@ class SpdySession:
         idle_timeout: float | None = DEFAULT_IDLE_TIMEOUT_SECONDS,
         ping_interval: float | None = None,
         data_frame_bytes: int = SEND_DATA_FRAME_BYTES,
+        flow_control_window: int | None = None,
         name: str = "spdy",
     ) -> None:
+        """`flow_control_window`: per-stream flow control with this window each way, for a
+        peer known to do the same (see the module docstring); None for every Kubernetes peer."""
         self._wire = wire
-        self._core = SpdyConnection(role, max_data_frame=data_frame_bytes)
+        self._core = SpdyConnection(
+            role, max_data_frame=data_frame_bytes, flow_control_window=flow_control_window
+        )
+        # Consumed bytes that trigger a WINDOW_UPDATE; 0 when flow control is off.
+        self._update_threshold = (
+            max(1, flow_control_window // WINDOW_UPDATE_DIVISOR) if flow_control_window else 0
+        )
         self.on_stream = on_stream
         self._idle_timeout = idle_timeout
         self._ping_interval = ping_interval
@@ -275,8 +347,9 @@ class SpdySession:
             with contextlib.suppress(ProtocolError, StreamError):
                 self._core.goaway(GoAwayStatus.OK)
                 self._flush()
-            with contextlib.suppress(StreamError):
-                await asyncio.wait_for(self._drain(), 5.0)
+            # A peer that stopped reading must not keep the wire open (or leak it).
+            with contextlib.suppress(StreamError, TimeoutError):
+                await asyncio.wait_for(self._drain(), CLOSE_DRAIN_SECONDS)
         self._teardown(None)
         await self._wire.aclose()
 
@@ -351,6 +424,20 @@ class SpdySession:
                 stream._finish(
                     StreamResetError("stream reset by peer", event.status), keep_data=True
                 )
+        elif isinstance(event, WindowUpdated):
+            stream = self._streams.get(event.stream_id)
+            if stream is not None:
+                stream._window_open.set()
+        elif isinstance(event, StreamAborted):
+            log.warning(
+                "%s: stream %d reset: the peer broke flow control (status %d)",
+                self.name,
+                event.stream_id,
+                event.status,
+            )
+            stream = self._streams.get(event.stream_id)
+            if stream is not None:
+                stream._finish(StreamResetError("flow control error", event.status))
         elif isinstance(event, PingAcknowledged):
             ping_waiter = self._ping_waiters.get(event.ping_id)
             if ping_waiter is not None and not ping_waiter.done():
@@ -410,6 +497,7 @@ class SpdySession:
             stream._fin_received = True
             stream._readable.set()
             stream._writable.set()
+            stream._window_open.set()
         self._streams.clear()
 
     async def _ping_loop(self) -> None:
@@ -422,3 +510,8 @@ class SpdySession:
     @property
     def stream_count(self) -> int:
         return len(self._streams)
+
+    @property
+    def flow_control_window(self) -> int | None:
+        """Each stream's window under flow control, or None (the Kubernetes behaviour)."""
+        return self._core.flow_control_window

@@ -502,9 +502,10 @@ class TargetForward:
         try:
             if not self._prefer_spdy:
                 try:
-                    ws = await PortForwardSession.connect(
-                        endpoint, path, websocket=True, udp=self._udp
-                    )
+                    # podgate's extension is offered even for TCP-only targets: against a
+                    # podgate server it also brings per-stream flow control, so one stalled
+                    # connection cannot hold up the others on the session.
+                    ws = await PortForwardSession.connect(endpoint, path, websocket=True, udp=True)
                     return ws, Transport.WEBSOCKET
                 except UpgradeError as exc:
                     # As kubectl: any complete non-101 answer means "try SPDY"; no answer at
@@ -512,9 +513,7 @@ class TargetForward:
                     if self.options.transport is Transport.WEBSOCKET or exc.status == 0:
                         raise
                     log.debug("%s: WebSocket refused (%s), trying SPDY", self.name, exc)
-            session = await PortForwardSession.connect(
-                endpoint, path, websocket=False, udp=self._udp
-            )
+            session = await PortForwardSession.connect(endpoint, path, websocket=False, udp=True)
             if self.options.transport is Transport.AUTO:
                 self._prefer_spdy = True  # WebSocket was refused: save the round trip next time
             return session, Transport.SPDY

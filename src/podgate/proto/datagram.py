@@ -26,6 +26,20 @@ Stream pairs
     with FIN as usual; UDP has no half-close, so the pod side closes its socket when the
     client's FIN arrives. ICMP port-unreachable in the pod only drops that datagram.
 
+Flow control
+    Only podgate offers or accepts the extension, so negotiating it also tells each end that
+    the other is podgate, and the SPDY session then uses SPDY/3.1 per-stream flow control
+    (TCP and UDP pairs alike). Every stream starts with a window of `STREAM_WINDOW_BYTES`
+    (podgate.proto.spdy) in each direction; the value is implied by the extension, so no
+    SETTINGS frame is sent and an INITIAL_WINDOW_SIZE setting from the peer is ignored. DATA
+    payload uses up the sender's window; the receiver returns it with WINDOW_UPDATE (stream
+    id, delta) as its application reads. A sender never exceeds the window; DATA beyond it,
+    or a WINDOW_UPDATE that takes a window past 2^31-1, resets that stream alone with
+    RST_STREAM FLOW_CONTROL_ERROR (7). There is no connection-level window: a WINDOW_UPDATE
+    for stream 0 is ignored. Under plain `portforward.k8s.io` nothing changes: no
+    WINDOW_UPDATE is sent and the window is unlimited, as spdystream requires
+    (k8s-streaming.md §1.8).
+
 This module is sans-IO: it frames and unframes bytes and nothing else.
 """
 

@@ -12,7 +12,7 @@ import base64
 import contextlib
 import os
 import ssl
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import quote, unquote, urlsplit
 
@@ -34,6 +34,7 @@ from podgate.proto.upgrade import (
 )
 from podgate.proto.wschannel import ChannelConnection, PortForwardChannels, TunnelConnection
 from podgate.proto.wschannel import Role as WsRole
+from podgate.streaming.portforward import flow_control_window
 
 # What client-go offers, in its order.
 EXEC_SPDY_PROTOCOLS = (
@@ -179,16 +180,30 @@ async def _upgrade(
 
 
 async def connect_spdy(
-    endpoint: Endpoint, path: str, protocols: Sequence[str]
+    endpoint: Endpoint,
+    path: str,
+    protocols: Sequence[str],
+    *,
+    window_for: Callable[[str], int | None] | None = None,
 ) -> tuple[SpdySession, str, asyncio.Task[None]]:
-    """POST + Upgrade: SPDY/3.1; returns the running session and the negotiated protocol."""
+    """POST + Upgrade: SPDY/3.1; returns the running session and the negotiated protocol.
+
+    `window_for` maps the negotiated protocol to the session's flow-control window (None: off,
+    as always without it)."""
     request = build_spdy_request(
         "POST", path, endpoint.authority, list(protocols), list(endpoint.headers)
     )
     conn, response = await _upgrade(endpoint, request, ClientHandshake())
-    session = SpdySession(conn, Role.CLIENT, ping_interval=SPDY_PING_SECONDS, idle_timeout=None)
+    protocol = response.protocol or ""
+    session = SpdySession(
+        conn,
+        Role.CLIENT,
+        ping_interval=SPDY_PING_SECONDS,
+        idle_timeout=None,
+        flow_control_window=window_for(protocol) if window_for is not None else None,
+    )
     reader = asyncio.create_task(session.run(), name=f"spdy client {path}")
-    return session, response.protocol or "", reader
+    return session, protocol, reader
 
 
 async def connect_websocket(
@@ -383,7 +398,8 @@ class PortForwardSession:
     """A port-forward connection over SPDY (direct or tunnelled); one stream pair per open().
 
     `protocol` is the negotiated SPDY protocol (inside the tunnel, too); `supports_udp` says
-    whether the server accepted podgate's UDP extension."""
+    whether the server accepted podgate's UDP extension, and with it the session has per-stream
+    flow control (`session.flow_control_window`)."""
 
     def __init__(
         self,
@@ -405,11 +421,14 @@ class PortForwardSession:
     async def connect(
         cls, endpoint: Endpoint, path: str, *, websocket: bool = False, udp: bool = False
     ) -> PortForwardSession:
-        """Upgrade as kubectl does; with `udp`, offer the UDP extension first (the server may
-        still choose plain port-forward: see `supports_udp`)."""
+        """Upgrade as kubectl does; with `udp`, offer podgate's extension first (the server may
+        still choose plain port-forward: see `supports_udp`). The extension brings UDP pairs
+        and flow control; without `udp` the upgrade is exactly kubectl's."""
         if not websocket:
             offered = pf.CLIENT_SPDY_PROTOCOLS_WITH_UDP if udp else (pf.PORTFORWARD_PROTOCOL,)
-            session, protocol, reader = await connect_spdy(endpoint, path, offered)
+            session, protocol, reader = await connect_spdy(
+                endpoint, path, offered, window_for=flow_control_window
+            )
             if protocol not in offered:
                 await session.aclose()
                 supported = " ".join(f'"{p}"' for p in offered)
@@ -420,12 +439,17 @@ class PortForwardSession:
             return cls(session, reader, protocol)
         tunnels = pf.CLIENT_TUNNEL_PROTOCOLS_WITH_UDP if udp else (TUNNEL_PROTOCOL,)
         conn, chosen = await connect_websocket(endpoint, path, tunnels)
+        protocol = chosen.removeprefix(TUNNEL_PROTOCOL_PREFIX)
         wire = TunnelWire(conn, TunnelConnection(WsRole.CLIENT))
         session = SpdySession(
-            wire, Role.CLIENT, ping_interval=TUNNEL_PING_SECONDS, idle_timeout=None
+            wire,
+            Role.CLIENT,
+            ping_interval=TUNNEL_PING_SECONDS,
+            idle_timeout=None,
+            flow_control_window=flow_control_window(protocol),
         )
         reader = asyncio.create_task(session.run(), name=f"tunnel client {path}")
-        return cls(session, reader, chosen.removeprefix(TUNNEL_PROTOCOL_PREFIX))
+        return cls(session, reader, protocol)
 
     async def open(self, port: int, protocol: str = "tcp") -> ForwardedStream:
         """Open an error+data pair for `port` as client-go does (one at a time).

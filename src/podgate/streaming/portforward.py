@@ -2,7 +2,8 @@
 
 Under podgate's UDP extension (negotiated; see podgate.proto.datagram) a SPDY pair may be a
 UDP flow: the target's stream then carries framed datagrams, and the same splice, hooks and
-error stream handle it. WebSocket v4 channel pairs are TCP only.
+error stream handle it. The extension also means both ends are podgate, so its SPDY sessions
+use per-stream flow control (`flow_control_window`). WebSocket v4 channel pairs are TCP only.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from podgate.aio.spdy import SpdySession, SpdyStream
 from podgate.aio.splice import splice
 from podgate.aio.wschannel import ChannelSession
 from podgate.proto import portforward as pf
+from podgate.proto.spdy import STREAM_WINDOW_BYTES
 from podgate.streaming.hooks import NO_HOOKS, ForwardRecord, SessionHooks
 from podgate.streaming.target import PodRef, StreamTarget, TargetError
 
@@ -25,6 +27,15 @@ log = logging.getLogger(__name__)
 
 # How often pending stream pairs are checked against the 30 s creation timeout.
 PAIR_EXPIRY_CHECK_SECONDS = 1.0
+
+
+def flow_control_window(protocol: str) -> int | None:
+    """The per-stream SPDY window of a port-forward session that negotiated `protocol` (the
+    inner one, for the tunnel), or None for no flow control.
+
+    Only podgate offers or accepts its extension, so it means a podgate peer at the other end;
+    any other protocol may be spdystream, which never returns window (k8s-streaming.md §1.8)."""
+    return STREAM_WINDOW_BYTES if protocol == pf.UDP_PORTFORWARD_PROTOCOL else None
 
 
 class SpdyPortForwardServer:

@@ -31,7 +31,11 @@ from podgate.proto.upgrade import (
 from podgate.proto.wschannel import ChannelConnection, TunnelConnection, parse_ports
 from podgate.proto.wschannel import Role as WsRole
 from podgate.streaming.hooks import NO_HOOKS, SessionHooks
-from podgate.streaming.portforward import SpdyPortForwardServer, serve_websocket_portforward
+from podgate.streaming.portforward import (
+    SpdyPortForwardServer,
+    flow_control_window,
+    serve_websocket_portforward,
+)
 from podgate.streaming.remotecommand import serve_spdy_exec, serve_ws_exec
 from podgate.streaming.target import ExecIO, PodRef, StreamTarget
 
@@ -128,8 +132,12 @@ async def serve_stream(
         return await target.exec(what.pod, container, options.command, io)
 
     label = f"{what.kind.name.lower()} {what.pod}"
+    # Flow control only when podgate's extension says the client is podgate (exec: never).
+    window = flow_control_window(decision.inner_protocol)
     if decision.transport is Transport.SPDY:
-        session = SpdySession(conn, Role.SERVER, idle_timeout=idle_timeout, name=label)
+        session = SpdySession(
+            conn, Role.SERVER, idle_timeout=idle_timeout, flow_control_window=window, name=label
+        )
         if what.kind is StreamKind.PORTFORWARD:
             server = SpdyPortForwardServer(
                 what.pod,
@@ -145,7 +153,9 @@ async def serve_stream(
         return await serve_spdy_exec(session, decision.protocol, options, run)
     if decision.transport is Transport.WEBSOCKET_TUNNEL:
         wire = TunnelWire(conn, TunnelConnection(WsRole.SERVER))
-        session = SpdySession(wire, Role.SERVER, idle_timeout=idle_timeout, name=label)
+        session = SpdySession(
+            wire, Role.SERVER, idle_timeout=idle_timeout, flow_control_window=window, name=label
+        )
         server = SpdyPortForwardServer(
             what.pod,
             target,

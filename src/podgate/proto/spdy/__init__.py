@@ -7,6 +7,8 @@ Feed bytes to `SpdyConnection.receive_data`, act on the returned events, and wri
 from podgate.proto.spdy.connection import (
     DEFAULT_MAX_DATA_FRAME,
     MAX_CONCURRENT_STREAMS,
+    MAX_WINDOW_BYTES,
+    STREAM_WINDOW_BYTES,
     Role,
     SpdyConnection,
     StreamState,
@@ -21,9 +23,11 @@ from podgate.proto.spdy.events import (
     PingAcknowledged,
     PingReceived,
     SettingsReceived,
+    StreamAborted,
     StreamOpened,
     StreamReplied,
     StreamReset,
+    WindowUpdated,
     WindowUpdateReceived,
 )
 from podgate.proto.spdy.frames import (
@@ -53,6 +57,8 @@ __all__ = [
     "MAX_FRAME_LENGTH",
     "MAX_HEADER_BLOCK_BYTES",
     "MAX_HEADER_PAIRS",
+    "MAX_WINDOW_BYTES",
+    "STREAM_WINDOW_BYTES",
     "ConnectionClosed",
     "ControlType",
     "DataReceived",
@@ -69,10 +75,12 @@ __all__ = [
     "SettingsReceived",
     "SpdyConnection",
     "SpdyConnectionError",
+    "StreamAborted",
     "StreamClosedError",
     "StreamOpened",
     "StreamReplied",
     "StreamReset",
     "StreamState",
     "WindowUpdateReceived",
+    "WindowUpdated",
 ]

@@ -9,8 +9,17 @@ Faults are sorted by blast radius. A broken frame or header block is a connectio
 (PROTOCOL_ERROR) is queued, `SpdyConnectionError` raised, and the connection stays dead. A bad
 stream only costs that stream a RST_STREAM. Misuse of this API raises `LocalProtocolError`.
 
-There is deliberately no flow control: Go peers never send WINDOW_UPDATE, so a sender that
-honoured the nominal 64 KiB window would deadlock against every Kubernetes peer.
+Flow control is off by default: Go peers never send WINDOW_UPDATE, so a sender that honoured
+the nominal 64 KiB window would deadlock against every Kubernetes peer (k8s-streaming.md §1.8).
+Off, the connection sends and accepts any amount and never writes WINDOW_UPDATE.
+
+`flow_control_window=N` turns on SPDY/3.1 per-stream flow control, for peers known to do it too
+(podgate's port-forward extension; see podgate.proto.datagram). Both ends start every stream
+with N bytes of window each way; nothing is announced (no SETTINGS) and there is no
+connection-level window. `send_data` refuses more than `send_window(stream_id)`; a WINDOW_UPDATE
+from the peer grows it (`WindowUpdated`). The receiver hands window back with `window_update`
+as its application consumes data. A peer that sends past the window, or grows ours past 2^31-1,
+costs only that stream: RST_STREAM(FLOW_CONTROL_ERROR) and `StreamAborted`.
 """
 
 from __future__ import annotations
@@ -28,9 +37,11 @@ from podgate.proto.spdy.events import (
     PingAcknowledged,
     PingReceived,
     SettingsReceived,
+    StreamAborted,
     StreamOpened,
     StreamReplied,
     StreamReset,
+    WindowUpdated,
     WindowUpdateReceived,
 )
 from podgate.proto.spdy.frames import (
@@ -61,6 +72,7 @@ from podgate.proto.spdy.frames import (
     encode_rst_stream,
     encode_syn_reply,
     encode_syn_stream,
+    encode_window_update,
     parse_control_frame,
 )
 from podgate.proto.spdy.headers import (
@@ -74,6 +86,8 @@ __all__ = [
     "DEFAULT_MAX_DATA_FRAME",
     "LOCAL_INPUTS",
     "MAX_CONCURRENT_STREAMS",
+    "MAX_WINDOW_BYTES",
+    "STREAM_WINDOW_BYTES",
     "TRANSITIONS",
     "Reaction",
     "Role",
@@ -86,6 +100,12 @@ __all__ = [
 DEFAULT_MAX_DATA_FRAME = 32 * 1024
 # peer-opened streams alive at once; each one costs the driver a queue, so cap them.
 MAX_CONCURRENT_STREAMS = 1000
+# bytes of per-stream window each way when both ends are podgate (flow control on): the most
+# a stalled stream holds in the receiver's memory. On loopback 1-2 MiB cost a single stream
+# 5-20 % of its throughput (`make bench`, podgate-spdy/-tunnel); 8 MiB gained nothing more.
+STREAM_WINDOW_BYTES = 4 * 1024 * 1024
+# bytes; SPDY/3.1 caps every window at 2^31 - 1 (growing past it is FLOW_CONTROL_ERROR).
+MAX_WINDOW_BYTES = 0x7FFFFFFF
 _KNOWN_CONTROL_TYPES = frozenset(int(kind) for kind in ControlType)
 # spdystream's ping counter wraps once it passes this value (client 0x7fffffff -> 1).
 _PING_ID_WRAP = 0x7FFFFFFE
@@ -125,6 +145,18 @@ class StreamInput(Enum):
     RECV_DATA = auto()
     RECV_FIN = auto()
     RECV_RST = auto()
+
+
+# States in which the peer may still send DATA we deliver: window handed back here is useful.
+_PEER_SENDING = frozenset(
+    {
+        StreamState.AWAITING_REPLY,
+        StreamState.AWAITING_REPLY_HALF_CLOSED_LOCAL,
+        StreamState.REPLY_PENDING,
+        StreamState.OPEN,
+        StreamState.HALF_CLOSED_LOCAL,
+    }
+)
 
 
 class Reaction(Enum):
@@ -233,12 +265,20 @@ class SpdyConnection:
         *,
         max_concurrent_streams: int = MAX_CONCURRENT_STREAMS,
         max_data_frame: int = DEFAULT_MAX_DATA_FRAME,
+        flow_control_window: int | None = None,
     ) -> None:
         if not 1 <= max_data_frame <= MAX_FRAME_LENGTH:
             raise ValueError(f"max_data_frame must be 1..{MAX_FRAME_LENGTH}")
         if max_concurrent_streams < 0:
             raise ValueError("max_concurrent_streams must not be negative")
+        if flow_control_window is not None and not 1 <= flow_control_window <= MAX_WINDOW_BYTES:
+            raise ValueError(f"flow_control_window must be 1..{MAX_WINDOW_BYTES}")
         self._role = role
+        self._window = flow_control_window
+        # Live streams only, and only with flow control on: bytes we may still send, and bytes
+        # the peer may still send before we hand window back.
+        self._send_windows: dict[int, int] = {}
+        self._receive_windows: dict[int, int] = {}
         self._max_concurrent_streams = max_concurrent_streams
         self._max_data_frame = max_data_frame
         client = role is Role.CLIENT
@@ -276,6 +316,33 @@ class SpdyConnection:
     def closed(self) -> bool:
         """No more input will be processed: a connection error, GOAWAY received, or EOF."""
         return self._error is not None or self._goaway_received or self._eof
+
+    @property
+    def flow_control_window(self) -> int | None:
+        """Every stream's initial window each way, or None when flow control is off."""
+        return self._window
+
+    def send_window(self, stream_id: int) -> int:
+        """Bytes `send_data` may still send on the stream (flow control only).
+
+        Raises StreamClosedError for a closed stream, LocalProtocolError for one never opened
+        or when flow control is off."""
+        return self._window_of(self._send_windows, stream_id)
+
+    def receive_window(self, stream_id: int) -> int:
+        """Bytes the peer may still send on the stream before we hand window back."""
+        return self._window_of(self._receive_windows, stream_id)
+
+    def _window_of(self, windows: dict[int, int], stream_id: int) -> int:
+        if self._window is None:
+            raise LocalProtocolError("flow control is off on this connection")
+        window = windows.get(stream_id)
+        if window is not None:
+            return window
+        state = self.stream_state(stream_id)
+        if state is StreamState.CLOSED:
+            raise StreamClosedError(f"stream {stream_id} is closed", stream_id)
+        raise LocalProtocolError(f"stream {stream_id} was never opened")
 
     @property
     def last_peer_stream_id(self) -> int:
@@ -409,6 +476,15 @@ class SpdyConnection:
         self._data_remaining = header.length
         self._data_fin = fin
         self._data_deliver = reaction is Reaction.ACCEPT
+        if self._window is not None and self._data_deliver:
+            window = self._receive_windows[sid]
+            if header.length > window:
+                # The frame's payload is skipped as it arrives; the rest of the connection
+                # is fine.
+                self._data_deliver = False
+                self._abort(sid, RstStatus.FLOW_CONTROL_ERROR, events)
+            else:
+                self._receive_windows[sid] = window - header.length
 
     def _data_piece(self, piece: memoryview, events: list[Event]) -> None:
         sid = self._data_stream
@@ -457,7 +533,10 @@ class SpdyConnection:
         elif isinstance(frame, SettingsFrame):
             events.append(SettingsReceived({entry.id: entry.value for entry in frame.entries}))
         elif isinstance(frame, WindowUpdateFrame):
-            events.append(WindowUpdateReceived(frame.stream_id, frame.delta))
+            if self._window is None or frame.stream_id == 0:
+                events.append(WindowUpdateReceived(frame.stream_id, frame.delta))
+            else:
+                self._window_update_received(frame, events)
         elif isinstance(frame, GoAwayFrame):
             self._goaway_received = True
             events.append(GoAwayReceived(frame.last_good_stream_id, frame.status))
@@ -470,6 +549,23 @@ class SpdyConnection:
                 else SYN_REPLY_FORBIDDEN_HEADERS
             )
             self._decompressor.decompress(frame.header_block, forbidden=forbidden)
+
+    def _window_update_received(self, frame: WindowUpdateFrame, events: list[Event]) -> None:
+        sid = frame.stream_id
+        window = self._send_windows.get(sid)
+        if window is None or frame.delta == 0:
+            return  # a stream already gone (updates race with FIN and RST), or no change
+        if window + frame.delta > MAX_WINDOW_BYTES:
+            self._abort(sid, RstStatus.FLOW_CONTROL_ERROR, events)
+            return
+        self._send_windows[sid] = window + frame.delta
+        events.append(WindowUpdated(sid, frame.delta))
+
+    def _abort(self, stream_id: int, status: RstStatus, events: list[Event]) -> None:
+        """Reset a live stream for the peer's stream-level fault and tell the driver."""
+        self._send(stream_id, StreamInput.SEND_RST)
+        self._outbox.append(encode_rst_stream(stream_id, status))
+        events.append(StreamAborted(stream_id, status))
 
     def _syn_stream(self, frame: SynStreamFrame, events: list[Event]) -> None:
         headers = self._decompressor.decompress(
@@ -549,6 +645,10 @@ class SpdyConnection:
     def send_data(self, stream_id: int, data: BytesLike, *, fin: bool = False) -> None:
         """Queue `data` as DATA frames of at most `max_data_frame` bytes, FIN on the last one.
 
+        With flow control on, `data` must fit in `send_window(stream_id)`: a bigger call is
+        refused whole (LocalProtocolError, nothing queued) rather than cut short, so the caller
+        always knows what was sent.
+
         Headers and payload slices are queued as separate buffers; payload is not copied unless
         it lives in a mutable buffer (which the caller might reuse before it is written).
         """
@@ -562,6 +662,13 @@ class SpdyConnection:
             self._plan_from(stream_id, state, StreamInput.SEND_DATA)
         if fin:
             self._plan_from(stream_id, state, StreamInput.SEND_FIN)
+        if self._window is not None and size:
+            window = self._send_windows[stream_id]
+            if size > window:
+                raise LocalProtocolError(
+                    f"{size} bytes exceed the send window of stream {stream_id} ({window})"
+                )
+            self._send_windows[stream_id] = window - size
         if size == 0:
             if fin:
                 self._outbox.append(encode_data_header(stream_id, 0, flags=FLAG_FIN))
@@ -580,6 +687,27 @@ class SpdyConnection:
     def end_stream(self, stream_id: int) -> None:
         """Half-close our side with an empty DATA+FIN, the way Kubernetes does."""
         self.send_data(stream_id, b"", fin=True)
+
+    def window_update(self, stream_id: int, delta: int) -> None:
+        """Hand `delta` bytes of receive window back to the peer (queue WINDOW_UPDATE), once
+        the application has consumed that much of the stream's data. Flow control only.
+
+        A no-op once the peer can send no more on the stream (its FIN, either RST, or never
+        opened by it yet), so a driver may call it whenever data is consumed."""
+        self._check_usable()
+        if self._window is None:
+            raise LocalProtocolError("flow control is off on this connection")
+        if not 1 <= delta <= MAX_WINDOW_BYTES:
+            raise LocalProtocolError(f"window delta {delta} outside 1..{MAX_WINDOW_BYTES}")
+        window = self._receive_windows.get(stream_id)
+        if window is None or self._streams[stream_id] not in _PEER_SENDING:
+            return
+        if window + delta > MAX_WINDOW_BYTES:
+            raise LocalProtocolError(
+                f"window of stream {stream_id} would exceed {MAX_WINDOW_BYTES} bytes"
+            )
+        self._receive_windows[stream_id] = window + delta
+        self._outbox.append(encode_window_update(stream_id, delta))
 
     def reset_stream(self, stream_id: int, status: int = RstStatus.CANCEL) -> None:
         """Queue RST_STREAM and forget the stream. A no-op for a stream that is already closed
@@ -647,7 +775,14 @@ class SpdyConnection:
                 del self._streams[stream_id]
                 if peer_opened:
                     self._peer_streams_alive -= 1
+                if self._window is not None:
+                    del self._send_windows[stream_id]
+                    del self._receive_windows[stream_id]
             return
-        if not tracked and peer_opened:
-            self._peer_streams_alive += 1
+        if not tracked:
+            if peer_opened:
+                self._peer_streams_alive += 1
+            if self._window is not None:
+                self._send_windows[stream_id] = self._window
+                self._receive_windows[stream_id] = self._window
         self._streams[stream_id] = new

@@ -67,10 +67,29 @@ class SettingsReceived(Event):
 
 @dataclass(frozen=True, slots=True)
 class WindowUpdateReceived(Event):
-    """Parsed and otherwise ignored: the send window is treated as unlimited."""
+    """Parsed and otherwise ignored: without flow control the send window is treated as
+    unlimited; with it, this is a connection-level (stream 0) update, which the extension does
+    not use."""
 
     stream_id: int
     delta: int
+
+
+@dataclass(frozen=True, slots=True)
+class WindowUpdated(Event):
+    """Flow control only: the peer granted `delta` more bytes on a live stream's send window."""
+
+    stream_id: int
+    delta: int
+
+
+@dataclass(frozen=True, slots=True)
+class StreamAborted(Event):
+    """We reset the stream because the peer broke a stream-level rule (so far: flow control).
+    The RST_STREAM carrying `status` is already queued; the stream is closed."""
+
+    stream_id: int
+    status: int
 
 
 @dataclass(frozen=True, slots=True)

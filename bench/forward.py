@@ -36,7 +36,6 @@ import json
 import select
 import socket
 import struct
-import subprocess
 import sys
 import time
 import traceback
@@ -45,7 +44,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
 
 from bench.client import Meter, _parse_watch, latency_summary
 from bench.common import format_size
@@ -64,7 +62,7 @@ from bench.portforward import (
     run_client,
 )
 from bench.procs import Child, ChildError, ProcessSet
-from bench.report import _fmt, _fmt_ratio, _median
+from bench.report import _fmt, _fmt_ratio, _median, markdown_tables, print_tables
 from bench.runtime import NSENTER, PEER, PLAIN, POD_NAME, POD_NAMESPACE, RUNTIME_PATHS
 
 # 10^6 bytes: the unit of the throughput figures here.
@@ -281,27 +279,13 @@ class ForwardBench:
             watch["forwarder"] = self.forwarders[spec.name].child.pid
         return watch
 
-    def _run_json(self, argv: list[str], limit: float, row: dict[str, Any]) -> dict[str, Any]:
-        try:
-            done = self.procs.run(argv, limit)
-        except subprocess.TimeoutExpired:
-            return {**row, "error": f"client did not finish within {limit:.0f} s"}
-        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-        if not lines:
-            tail = done.stderr.strip().splitlines()[-3:]
-            return {**row, "error": f"client exited {done.returncode}: {' / '.join(tail)}"}
-        result: dict[str, Any] = json.loads(lines[-1])
-        return {**row, **result}
-
-    # -- runs
-
     def run_throughput(self, spec: ForwardPath, direction: str, run: int) -> dict[str, Any]:
         row: dict[str, Any] = {"path": spec.name, "direction": direction, "run": run}
         o = self.options
         if not spec.tool:
             peer = next(p for p in RUNTIME_PATHS if p.name == PEER)
             argv = self.gateway.runtime.client_argv(peer, direction)
-            return self._run_json(argv, o.run_timeout + CLIENT_STARTUP_SECONDS, row)
+            return self.procs.run_json(argv, o.run_timeout + CLIENT_STARTUP_SECONDS, row)
         argv = [
             *("throughput", "--via", "tcp", "--port", str(self.forwarders[spec.name].bulk_port)),
             *("--direction", direction, "--size", str(o.size), "--timeout", str(o.run_timeout)),
@@ -321,7 +305,7 @@ class ForwardBench:
         ]
         if not spec.tool:
             argv = [NSENTER, f"--net={self.netns}", *argv]
-        return self._run_json(argv, o.conn_budget + CLIENT_STARTUP_SECONDS, row)
+        return self.procs.run_json(argv, o.conn_budget + CLIENT_STARTUP_SECONDS, row)
 
     def run_udp(self, spec: ForwardPath, count: int, window: int, run: int) -> dict[str, Any]:
         row: dict[str, Any] = {"path": spec.name, "run": run}
@@ -335,7 +319,7 @@ class ForwardBench:
         ]
         if not spec.tool:
             argv = [NSENTER, f"--net={self.netns}", *argv]
-        return self._run_json(argv, self.options.run_timeout + CLIENT_STARTUP_SECONDS, row)
+        return self.procs.run_json(argv, self.options.run_timeout + CLIENT_STARTUP_SECONDS, row)
 
     def stop(self) -> None:
         self.gateway.stop()
@@ -657,32 +641,11 @@ def _notes(section: dict[str, Any]) -> list[str]:
 
 
 def print_report(section: dict[str, Any], console: Console) -> None:
-    for name, note, headers, table_rows in _tables(section):
-        if not table_rows:
-            continue
-        table = Table(title=name, title_justify="left", caption=note)
-        table.caption_justify = "left"
-        for i, header in enumerate(headers):
-            table.add_column(header, justify="left" if i < 1 else "right", overflow="fold")
-        for row in table_rows:
-            table.add_row(*row)
-        console.print(table)
-    for note in _notes(section):
-        console.print(f"[yellow]{note}[/yellow]", highlight=False)
+    print_tables(_tables(section), _notes(section), console, label_columns=1)
 
 
 def markdown(section: dict[str, Any]) -> str:
-    lines: list[str] = []
-    for name, note, headers, table_rows in _tables(section):
-        if not table_rows:
-            continue
-        lines += [name, "", note, ""]
-        lines.append("| " + " | ".join(headers) + " |")
-        lines.append("|" + "|".join("---" for _ in headers) + "|")
-        lines += ["| " + " | ".join(row) + " |" for row in table_rows]
-        lines.append("")
-    lines += _notes(section)
-    return "\n".join(lines) + "\n"
+    return markdown_tables(_tables(section), _notes(section))
 
 
 def failed(section: dict[str, Any]) -> bool:

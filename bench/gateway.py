@@ -49,7 +49,6 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
 
 from bench import runtime as bench_runtime
 from bench.common import format_size
@@ -76,7 +75,7 @@ from bench.procs import (
     _live_children,
     cpu_seconds,
 )
-from bench.report import _fmt, _fmt_ratio, _median
+from bench.report import _fmt, _fmt_ratio, _median, markdown_tables, print_tables
 from bench.runtime import PEER, RUNTIME_PATHS, RuntimeBench
 
 # 10^6 bytes: the unit of the exec flood figures (as in docs/performance.md).
@@ -369,15 +368,7 @@ class GatewayBench:
                 next(p for p in RUNTIME_PATHS if p.name == PEER), direction
             )
             limit = self.options.run_timeout + CLIENT_STARTUP_SECONDS
-            try:
-                done = self.procs.run(argv, limit)
-            except subprocess.TimeoutExpired:
-                return {**row, "error": f"client did not finish within {limit:.0f} s"}
-            lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
-            if not lines:
-                return {**row, "error": f"client exited {done.returncode}: {done.stderr[-300:]}"}
-            peer: dict[str, Any] = json.loads(lines[-1])
-            return {**row, **peer}
+            return self.procs.run_json(argv, limit, row)
         o = self.options
         argv = [
             *("throughput", "--via", "tcp", "--port", str(self.ports[spec.name])),
@@ -729,32 +720,11 @@ def _tables(section: dict[str, Any]) -> list[tuple[str, str, tuple[str, ...], li
 
 
 def print_report(section: dict[str, Any], console: Console) -> None:
-    for name, note, headers, table_rows in _tables(section):
-        if not table_rows:
-            continue
-        table = Table(title=name, title_justify="left", caption=note)
-        table.caption_justify = "left"
-        for i, header in enumerate(headers):
-            table.add_column(header, justify="left" if i < 2 else "right", overflow="fold")
-        for row in table_rows:
-            table.add_row(*row)
-        console.print(table)
-    for note in _notes(section):
-        console.print(f"[yellow]{note}[/yellow]", highlight=False)
+    print_tables(_tables(section), _notes(section), console, label_columns=2)
 
 
 def markdown(section: dict[str, Any]) -> str:
-    lines: list[str] = []
-    for name, note, headers, table_rows in _tables(section):
-        if not table_rows:
-            continue
-        lines += [name, "", note, ""]
-        lines.append("| " + " | ".join(headers) + " |")
-        lines.append("|" + "|".join("---" for _ in headers) + "|")
-        lines += ["| " + " | ".join(row) + " |" for row in table_rows]
-        lines.append("")
-    lines += _notes(section)
-    return "\n".join(lines) + "\n"
+    return markdown_tables(_tables(section), _notes(section))
 
 
 def failed(section: dict[str, Any]) -> bool:

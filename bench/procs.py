@@ -195,6 +195,19 @@ class ProcessSet:
             check=False,
         )
 
+    def run_json(self, argv: Sequence[str], timeout: float, row: dict[str, Any]) -> dict[str, Any]:
+        """Run a bench client; `row` plus the last JSON line it printed, or plus an error."""
+        try:
+            done = self.run(argv, timeout)
+        except subprocess.TimeoutExpired:
+            return {**row, "error": f"client did not finish within {timeout:.0f} s"}
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        if not lines:
+            tail = done.stderr.strip().splitlines()[-3:]
+            return {**row, "error": f"client exited {done.returncode}: {' / '.join(tail)}"}
+        result: dict[str, Any] = json.loads(lines[-1])
+        return {**row, **result}
+
     def close(self) -> None:
         # A second Ctrl-C must not leave children behind half-way through the cleanup.
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rich.console import Console
+from rich.console import Console, JustifyMethod
 from rich.table import Table
 
 from bench.common import format_size
@@ -112,6 +112,43 @@ def conn_rows(summary: list[dict[str, Any]]) -> list[list[str]]:
             ]
         )
     return rows
+
+
+# A section's tables: (title, caption, headers, rows).
+SectionTables = list[tuple[str, str, tuple[str, ...], list[list[str]]]]
+
+
+def print_tables(
+    tables: SectionTables, notes: list[str], console: Console, *, label_columns: int = 1
+) -> None:
+    """Each non-empty table (the first `label_columns` left-aligned), then the notes."""
+    for name, note, headers, table_rows in tables:
+        if not table_rows:
+            continue
+        table = Table(title=name, title_justify="left", caption=note)
+        table.caption_justify = "left"
+        for i, header in enumerate(headers):
+            justify: JustifyMethod = "left" if i < label_columns else "right"
+            table.add_column(header, justify=justify, overflow="fold")
+        for row in table_rows:
+            table.add_row(*row)
+        console.print(table)
+    for note in notes:
+        console.print(f"[yellow]{note}[/yellow]", highlight=False)
+
+
+def markdown_tables(tables: SectionTables, notes: list[str]) -> str:
+    lines: list[str] = []
+    for name, note, headers, table_rows in tables:
+        if not table_rows:
+            continue
+        lines += [name, "", note, ""]
+        lines.append("| " + " | ".join(headers) + " |")
+        lines.append("|" + "|".join("---" for _ in headers) + "|")
+        lines += ["| " + " | ".join(row) + " |" for row in table_rows]
+        lines.append("")
+    lines += notes
+    return "\n".join(lines) + "\n"
 
 
 def _title(meta: dict[str, Any]) -> str:

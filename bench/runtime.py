@@ -481,18 +481,6 @@ class RuntimeBench:
             *("--remote-port", str(port), "--loop", self.options.loop),
         ]
 
-    def _run_client(self, argv: list[str], limit: float, row: dict[str, Any]) -> dict[str, Any]:
-        try:
-            done = self.procs.run(argv, limit)
-        except subprocess.TimeoutExpired:
-            return {**row, "error": f"client did not finish within {limit:.0f} s"}
-        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-        if not lines:
-            tail = done.stderr.strip().splitlines()[-3:]
-            return {**row, "error": f"client exited {done.returncode}: {' / '.join(tail)}"}
-        result: dict[str, Any] = json.loads(lines[-1])
-        return {**row, **result}
-
     def run_once(self, spec: RuntimePath, direction: str, run: int) -> dict[str, Any]:
         row: dict[str, Any] = {
             "path": spec.name,
@@ -502,7 +490,7 @@ class RuntimeBench:
             "backend": None if spec.via == "tcp" else POD_BACKENDS[spec.handler],
         }
         limit = self.options.run_timeout + CLIENT_STARTUP_SECONDS
-        return self._run_client(self.client_argv(spec, direction), limit, row)
+        return self.procs.run_json(self.client_argv(spec, direction), limit, row)
 
     def run_setup(self, handler: str, run: int) -> dict[str, Any]:
         """SETUP_CONNS sequential forwarded connections to the echo port on one session."""
@@ -513,7 +501,7 @@ class RuntimeBench:
             *self._forward_argv("spdy", pod, pod.echo_port),
             *("--conns", str(SETUP_CONNS), "--budget", str(budget)),
         ]
-        return self._run_client(argv, budget + CLIENT_STARTUP_SECONDS + CRI_TIMEOUT_SECONDS, row)
+        return self.procs.run_json(argv, budget + CLIENT_STARTUP_SECONDS + CRI_TIMEOUT_SECONDS, row)
 
     def stop(self) -> None:
         """Remove the pods (the daemon would leave them running), then close the CRI channel."""

@@ -28,6 +28,7 @@ from typing import Any
 from e2e_support import Kubectl, kubectl_binary
 
 from podgate.node.pki import Pki, write_kubeconfig
+from process_support import processes_mentioning
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -326,18 +327,6 @@ def read_lines(proc: subprocess.Popen[bytes], count: int, timeout: float) -> lis
             raise AssertionError(f"{count} lines not read within {timeout} s: {buffer!r}")
         buffer += chunk
     return buffer.decode().split("\n")[:count]
-
-
-def processes_mentioning(text: str) -> list[int]:
-    """PIDs whose command line contains `text` (to find processes left behind)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            if text.encode() in (entry / "cmdline").read_bytes():
-                found.append(int(entry.name))
-    return found
 
 
 @contextlib.contextmanager

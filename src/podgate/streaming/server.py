@@ -12,7 +12,7 @@ import logging
 from dataclasses import dataclass
 
 from podgate.aio.spdy import SpdySession
-from podgate.aio.streams import SocketStream
+from podgate.aio.streams import SocketStream, Wire
 from podgate.aio.wschannel import ChannelSession, TunnelWire
 from podgate.proto import k8s
 from podgate.proto import portforward as pf
@@ -134,9 +134,16 @@ async def serve_stream(
     label = f"{what.kind.name.lower()} {what.pod}"
     # Flow control only when podgate's extension says the client is podgate (exec: never).
     window = flow_control_window(decision.inner_protocol)
-    if decision.transport is Transport.SPDY:
+    if decision.transport in (Transport.SPDY, Transport.WEBSOCKET_TUNNEL):
+        spdy_wire: Wire = conn
+        if decision.transport is Transport.WEBSOCKET_TUNNEL:
+            spdy_wire = TunnelWire(conn, TunnelConnection(WsRole.SERVER))
         session = SpdySession(
-            conn, Role.SERVER, idle_timeout=idle_timeout, flow_control_window=window, name=label
+            spdy_wire,
+            Role.SERVER,
+            idle_timeout=idle_timeout,
+            flow_control_window=window,
+            name=label,
         )
         if what.kind is StreamKind.PORTFORWARD:
             server = SpdyPortForwardServer(
@@ -149,23 +156,9 @@ async def serve_stream(
             session.on_stream = server.on_stream
             await server.serve(session)
             return None
+        # The tunnel only ever carries port-forward (negotiation refuses anything else).
         assert options is not None
         return await serve_spdy_exec(session, decision.protocol, options, run)
-    if decision.transport is Transport.WEBSOCKET_TUNNEL:
-        wire = TunnelWire(conn, TunnelConnection(WsRole.SERVER))
-        session = SpdySession(
-            wire, Role.SERVER, idle_timeout=idle_timeout, flow_control_window=window, name=label
-        )
-        server = SpdyPortForwardServer(
-            what.pod,
-            target,
-            label=label,
-            hooks=what.hooks,
-            udp=pf.allows_udp(decision.inner_protocol),
-        )
-        session.on_stream = server.on_stream
-        await server.serve(session)
-        return None
     if what.kind is StreamKind.PORTFORWARD:
         inbound = {2 * i for i in range(len(ports))}  # data channels; errors are ours alone
     else:

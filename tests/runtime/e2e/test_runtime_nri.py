@@ -37,6 +37,7 @@ from runtime_e2e_support import (
 
 from podgate.runtime.cri import api_pb2 as pb
 from podgate.runtime.cri import api_pb2_grpc as pb_grpc
+from process_support import processes_mentioning
 
 pytestmark = [pytest.mark.e2e, pytest.mark.privileged]
 
@@ -500,14 +501,3 @@ async def test_plugin_crash_during_churn_leaks_nothing(network: str) -> None:
         assert list(pods_dir.glob("*.json")) == []
         # No pod holder (the owner of a pod's namespaces) or shim outlives its pod.
         assert processes_mentioning(str(run.daemon.state_dir)) == [run.daemon.process.pid]
-
-
-def processes_mentioning(text: str) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            if text.encode() in (entry / "cmdline").read_bytes():
-                found.append(int(entry.name))
-    return sorted(found)

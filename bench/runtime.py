@@ -209,7 +209,7 @@ class Cri:
     def __init__(self, socket_path: str) -> None:
         import grpc
 
-        from podgate.runtime.cri import api_pb2, api_pb2_grpc
+        from podgate.cri import api_pb2, api_pb2_grpc
 
         self.pb = api_pb2
         self.channel = grpc.insecure_channel(f"unix://{socket_path}")

@@ -26,7 +26,7 @@ from bench.common import (
     resolve_loop,
     run_on,
 )
-from podgate.streaming.demo import DemoApi, DemoPod
+from podgate.demo.api import DemoApi, DemoPod
 from podgate.streaming.local import LocalTarget
 
 

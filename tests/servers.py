@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from podgate.aio.streams import SocketStream, start_server
-from podgate.streaming.demo import DemoApi, DemoPod
+from podgate.demo.api import DemoApi, DemoPod
 from podgate.streaming.local import LocalTarget
 
 # Remote ports the demo pod "exposes"; the LocalTarget maps them to the real loopback ports.

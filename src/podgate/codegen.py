@@ -1,8 +1,8 @@
-"""protoc for podgate's committed protobuf modules (CRI, ttrpc envelope, agent, sandbox shim).
+"""protoc for podgate's committed protobuf modules: `python -m podgate.codegen [OUT_ROOT]`.
 
 A build tool, never imported at run time. Needs the test extras (grpcio-tools, mypy-protobuf).
-Each package's `generate` module names its protos; tests regenerate into a temporary directory
-and check the committed modules are unchanged.
+`PROTOS` names every proto; a test regenerates them into a temporary directory and checks the
+committed modules are unchanged.
 """
 
 from __future__ import annotations
@@ -10,12 +10,37 @@ from __future__ import annotations
 import importlib
 import sys
 import sysconfig
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 # protoc include root: protos are registered as "podgate/<package path>/<name>.proto", and the
 # generated modules import each other by that dotted path.
 SOURCE_ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True, slots=True)
+class ProtoModule:
+    proto: Path  # relative to SOURCE_ROOT
+    grpc: bool = False  # also gRPC stubs (only the CRI is served over gRPC)
+
+    def generated(self) -> list[str]:
+        stem = self.proto.stem
+        names = [f"{stem}_pb2.py", f"{stem}_pb2.pyi"]
+        if self.grpc:
+            names += [f"{stem}_pb2_grpc.py", f"{stem}_pb2_grpc.pyi"]
+        return names
+
+
+# Every committed protobuf module, in the order protoc needs them (imports first).
+PROTOS: tuple[ProtoModule, ...] = (
+    ProtoModule(Path("podgate/cri/api.proto"), grpc=True),
+    ProtoModule(Path("podgate/proto/ttrpc/status.proto")),
+    ProtoModule(Path("podgate/proto/ttrpc/envelope.proto")),
+    ProtoModule(Path("podgate/agent/agent.proto")),
+    ProtoModule(Path("podgate/shimapi/shim.proto")),
+    ProtoModule(Path("podgate/nri/api.proto")),
+)
 
 
 def run_protoc(protos: Sequence[Path], out_root: Path, *, grpc: bool = False) -> None:
@@ -44,8 +69,20 @@ def run_protoc(protos: Sequence[Path], out_root: Path, *, grpc: bool = False) ->
         raise RuntimeError(f"protoc failed with status {status}")
 
 
-def main(generate: Callable[[Path], list[Path]]) -> None:
-    """`python -m <package>.generate [OUT_ROOT]`: regenerate (in place by default)."""
+def generate(out_root: Path) -> list[Path]:
+    """Write every generated module under `out_root` (mirroring the package paths); return them."""
+    written: list[Path] = []
+    for module in PROTOS:
+        run_protoc([module.proto], out_root, grpc=module.grpc)
+        written += [out_root / module.proto.parent / name for name in module.generated()]
+    return written
+
+
+def main() -> None:
     out_root = Path(sys.argv[1]) if len(sys.argv) > 1 else SOURCE_ROOT
     for path in generate(out_root):
         print(path)
+
+
+if __name__ == "__main__":
+    main()

@@ -38,8 +38,8 @@ from pathlib import Path
 
 import grpc
 
-from podgate.runtime.cri import api_pb2 as pb
-from podgate.runtime.cri import api_pb2_grpc as pb_grpc
+from podgate.cri import api_pb2 as pb
+from podgate.cri import api_pb2_grpc as pb_grpc
 
 # containerd's start until its CRI plugin answers Version (plugin init, image store load).
 CONTAINERD_READY_SECONDS = 30.0

@@ -23,10 +23,10 @@ from typing import Any, cast
 
 from podgate.aio.errors import StreamError
 from podgate.aio.streams import SocketStream, start_server
+from podgate.demo.api import DemoApi, DemoPod
 from podgate.forward.status import EventKind, ForwardEvent
 from podgate.kubeconfig import ApiServer
 from podgate.streaming.client import Endpoint
-from podgate.streaming.demo import DemoApi, DemoPod
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -21,6 +21,7 @@ from forward_support import (
 )
 
 from podgate.aio.streams import SocketStream
+from podgate.demo.api import DemoPod, DemoSource
 from podgate.forward.engine import (
     EngineOptions,
     ExitCode,
@@ -35,7 +36,6 @@ from podgate.forward.status import EventKind, ForwardStatus, TargetState
 from podgate.kubeconfig import ApiServer
 from podgate.node.kubeapi import KubeApi
 from podgate.streaming.client import Endpoint
-from podgate.streaming.demo import DemoPod, DemoSource
 from podgate.streaming.local import LocalTarget
 
 ECHO = 7000

@@ -45,9 +45,9 @@ from runtime_e2e_support import (
     new_state_root,
 )
 
+from podgate.cri import api_pb2 as pb
+from podgate.cri import api_pb2_grpc as pb_grpc
 from podgate.node.pki import write_kubeconfig
-from podgate.runtime.cri import api_pb2 as pb
-from podgate.runtime.cri import api_pb2_grpc as pb_grpc
 
 REPO = Path(__file__).resolve().parents[2]
 

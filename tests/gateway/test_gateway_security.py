@@ -39,9 +39,9 @@ from gateway_support import (
     websocket_headers,
 )
 
+from podgate.cri import api_pb2 as pb
+from podgate.cri import api_pb2_grpc as pb_grpc
 from podgate.node.gateway import DEFAULT_MAX_STREAMS_PER_USER
-from podgate.runtime.cri import api_pb2 as pb
-from podgate.runtime.cri import api_pb2_grpc as pb_grpc
 from podgate.streaming.client import PortForwardSession, endpoint_from_url
 
 pytestmark = [pytest.mark.e2e, pytest.mark.privileged]

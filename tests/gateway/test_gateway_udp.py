@@ -23,8 +23,8 @@ import grpc
 import pytest
 from gateway_support import SETTLE_SECONDS, Gateway, bearer, matching
 
-from podgate.runtime.cri import api_pb2 as pb
-from podgate.runtime.cri import api_pb2_grpc as pb_grpc
+from podgate.cri import api_pb2 as pb
+from podgate.cri import api_pb2_grpc as pb_grpc
 from podgate.streaming.client import Endpoint, PortForwardSession, pod_path
 from udp_support import DATAGRAMS, UDP_ECHO_SERVER, exchange_framed
 

@@ -16,7 +16,7 @@ import pytest
 from podgate.linux import ns
 from podgate.linux.holder import HolderError, start_holder, stop_holder
 from podgate.linux.proc import is_alive, read_json, wait_gone
-from podgate.runtime.model import ProcessRef
+from podgate.model import ProcessRef
 
 pytestmark = [
     pytest.mark.privileged,

@@ -21,7 +21,7 @@ from podgate.linux.proc import (
     signal_process,
     wait_gone,
 )
-from podgate.runtime.model import ProcessRef
+from podgate.model import ProcessRef
 
 
 @pytest.fixture

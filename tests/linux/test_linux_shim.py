@@ -31,11 +31,11 @@ from podgate.linux.shim import (
     ShimSpec,
     attach,
     read_exit_file,
-    run_attach,
     start_shim,
 )
+from podgate.model import NamespaceMode, ProcessRef
 from podgate.proto.attach import Stdout
-from podgate.runtime.model import NamespaceMode, ProcessRef
+from podgate.runtime.attach import run_attach
 from podgate.streaming.target import ExecIO
 
 pytestmark = [

@@ -23,6 +23,8 @@ from pathlib import Path
 import grpc
 import pytest
 
+from podgate.cri import api_pb2 as pb
+from podgate.cri import api_pb2_grpc as pb_grpc
 from podgate.node.cri_client import (
     KUBELET_PORTS_ANNOTATION,
     PODGATE_PORTS_ANNOTATION,
@@ -37,8 +39,6 @@ from podgate.node.cri_client import (
 )
 from podgate.node.kubeapi import PodView
 from podgate.node.upstream import CriTarget
-from podgate.runtime.cri import api_pb2 as pb
-from podgate.runtime.cri import api_pb2_grpc as pb_grpc
 
 # sun_path is 108 bytes and the runtime keeps sockets deep under its state directory, so the
 # state lives in a short directory right under /tmp rather than pytest's tmp_path.

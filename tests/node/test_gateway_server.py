@@ -16,6 +16,7 @@ import pytest
 from podgate.aio.errors import StreamError
 from podgate.aio.memory import memory_stream_pair
 from podgate.aio.streams import SocketStream, start_server
+from podgate.demo.api import DemoPod, DemoSource
 from podgate.node.gateway import GatewayConfig, Limits
 from podgate.node.server import InsecureListenError, RunningGateway, running_gateway
 from podgate.streaming.client import (
@@ -26,7 +27,6 @@ from podgate.streaming.client import (
     exec_spdy,
     pod_path,
 )
-from podgate.streaming.demo import DemoPod, DemoSource
 from podgate.streaming.local import LocalTarget
 
 ECHO = 7000

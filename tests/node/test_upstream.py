@@ -19,11 +19,11 @@ from podgate.aio.errors import ForwardError, StreamResetError
 from podgate.aio.http import next_request
 from podgate.aio.memory import MemoryStream, memory_stream_pair
 from podgate.aio.streams import ByteStream, SocketStream, start_server
+from podgate.cri import api_pb2 as pb
 from podgate.node.cri_client import CriClient
 from podgate.node.upstream import CriTarget, UpstreamForwardError
 from podgate.proto.remotecommand import TerminalSize
 from podgate.proto.upgrade import ServerHandshake, StreamKind
-from podgate.runtime.cri import api_pb2 as pb
 from podgate.streaming.client import (
     UNIX_SOCKET_HOST,
     Endpoint,

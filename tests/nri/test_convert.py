@@ -7,17 +7,8 @@ from typing import Any
 
 import pytest
 
-from podgate.nri import api_pb2 as api
-from podgate.nri.convert import (
-    apply_adjustment,
-    container,
-    mount_from_nri,
-    mount_to_nri,
-    pod_sandbox,
-)
-from podgate.runtime.cri import api_pb2 as cri
-from podgate.runtime.cri.convert import mount_to_dict
-from podgate.runtime.model import (
+from podgate.cri import api_pb2 as cri
+from podgate.model import (
     ContainerMetadata,
     ContainerRecord,
     ContainerSpec,
@@ -28,6 +19,15 @@ from podgate.runtime.model import (
     PodState,
     ProcessRef,
 )
+from podgate.nri import api_pb2 as api
+from podgate.nri.convert import (
+    apply_adjustment,
+    container,
+    mount_from_nri,
+    mount_to_nri,
+    pod_sandbox,
+)
+from podgate.runtime.cri.convert import mount_to_dict
 
 
 def make_pod(**changes: Any) -> PodRecord:

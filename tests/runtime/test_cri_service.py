@@ -25,6 +25,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from podgate.cri import api_pb2 as pb
+from podgate.cri import api_pb2_grpc as pb_grpc
+from podgate.model import (
+    ContainerMetadata,
+    ContainerRecord,
+    ContainerSpec,
+    ContainerState,
+    NamespaceMode,
+    PodMetadata,
+    PodRecord,
+    PodState,
+    ProcessRef,
+)
 from podgate.runtime.api import (
     DeadlineExceededError,
     ExecSyncResult,
@@ -36,22 +49,9 @@ from podgate.runtime.api import (
     RuntimeApi,
     RuntimeCondition,
 )
-from podgate.runtime.cri import api_pb2 as pb
-from podgate.runtime.cri import api_pb2_grpc as pb_grpc
-from podgate.runtime.cri import convert, generate
+from podgate.runtime.cri import convert
 from podgate.runtime.cri.errors import status_code
 from podgate.runtime.cri.service import ImageServicer, serve_cri, stop_cri
-from podgate.runtime.model import (
-    ContainerMetadata,
-    ContainerRecord,
-    ContainerSpec,
-    ContainerState,
-    NamespaceMode,
-    PodMetadata,
-    PodRecord,
-    PodState,
-    ProcessRef,
-)
 
 CREATED_BASE = 1_700_000_000_123_456_789  # arbitrary creation time, ns
 STREAM_BASE = "http://127.0.0.1:10010"
@@ -431,16 +431,6 @@ def test_pod_sandbox_status_network_is_field_5() -> None:
 def test_pod_sandbox_state_values() -> None:
     # runtime-and-nri.md §8.1: SANDBOX_READY = 0, SANDBOX_NOTREADY = 1.
     assert (pb.SANDBOX_READY, pb.SANDBOX_NOTREADY) == (0, 1)
-
-
-def test_committed_stubs_are_up_to_date(tmp_path: Path) -> None:
-    written = generate.generate(tmp_path)
-    assert [p.name for p in written] == list(generate.GENERATED)
-    for path in written:
-        committed = generate.PACKAGE_DIR / path.name
-        assert path.read_bytes() == committed.read_bytes(), (
-            f"{committed.name} is stale: run python -m podgate.runtime.cri.generate"
-        )
 
 
 # ----------------------------------------------------------------------------- runtime info

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime" / "e2e"))
 from runtime_e2e_support import Pods, RuntimeDaemon
 from sandbox_support import sandbox_daemon
 
-from podgate.runtime.cri import api_pb2_grpc as pb_grpc
+from podgate.cri import api_pb2_grpc as pb_grpc
 
 
 def _require_root() -> None:

@@ -38,11 +38,11 @@ from runtime_e2e_support import (
 )
 
 from podgate.aio.ttrpc import TtrpcClient
+from podgate.cri import api_pb2 as pb
+from podgate.cri import api_pb2_grpc as pb_grpc
 from podgate.linux.proc import signal_process
-from podgate.runtime.cri import api_pb2 as pb
-from podgate.runtime.cri import api_pb2_grpc as pb_grpc
-from podgate.runtime.model import ProcessRef
-from podgate.runtime.sandbox import shim_pb2
+from podgate.model import ProcessRef
+from podgate.shimapi import shim_pb2
 from podgate.streaming.client import ForwardedStream, PortForwardSession
 
 SANDBOXED = "sandboxed"

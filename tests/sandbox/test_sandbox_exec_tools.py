@@ -21,8 +21,9 @@ import pytest
 from podgate.aio.errors import ForwardError
 from podgate.aio.streams import ByteStream
 from podgate.backends.base import BackendUnavailableError
-from podgate.backends.exec import NO_TOOL, ExecBackend
-from podgate.runtime.model import (
+from podgate.backends.exec import ExecBackend
+from podgate.forwarders import NO_TOOL
+from podgate.model import (
     ContainerMetadata,
     ContainerRecord,
     ContainerSpec,

@@ -22,10 +22,10 @@ from sandbox_support import (
 )
 
 from podgate.aio.errors import StreamError
+from podgate.cri import api_pb2 as pb
+from podgate.cri import api_pb2_grpc as pb_grpc
 from podgate.linux.proc import is_alive, signal_process
-from podgate.runtime.cri import api_pb2 as pb
-from podgate.runtime.cri import api_pb2_grpc as pb_grpc
-from podgate.runtime.model import ProcessRef
+from podgate.model import ProcessRef
 from podgate.streaming.client import ForwardedStream, PortForwardSession
 
 pytestmark = [

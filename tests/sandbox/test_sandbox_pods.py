@@ -21,10 +21,10 @@ from sandbox_support import (
     start_daemon,
 )
 
+from podgate.cri import api_pb2 as pb
+from podgate.cri import api_pb2_grpc as pb_grpc
 from podgate.linux.proc import is_alive
-from podgate.runtime.cri import api_pb2 as pb
-from podgate.runtime.cri import api_pb2_grpc as pb_grpc
-from podgate.runtime.model import ProcessRef
+from podgate.model import ProcessRef
 
 pytestmark = [
     pytest.mark.privileged,

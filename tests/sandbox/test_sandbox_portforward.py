@@ -22,7 +22,7 @@ from sandbox_support import (
 )
 
 from podgate.aio.errors import StreamError
-from podgate.runtime.cri import api_pb2_grpc as pb_grpc
+from podgate.cri import api_pb2_grpc as pb_grpc
 from podgate.streaming.client import PortForwardSession
 
 pytestmark = [

@@ -16,9 +16,9 @@ from runtime_e2e_support import WAIT_SECONDS, Pod, Pods, RuntimeDaemon, stream_t
 from sandbox_support import run_pod, sandbox_daemon, shim_stats
 
 from podgate.aio.errors import StreamError
+from podgate.cri import api_pb2 as pb
+from podgate.cri import api_pb2_grpc as pb_grpc
 from podgate.proto.datagram import DatagramDecoder, encode_datagram
-from podgate.runtime.cri import api_pb2 as pb
-from podgate.runtime.cri import api_pb2_grpc as pb_grpc
 from podgate.streaming.client import PortForwardSession
 from udp_support import DATAGRAMS, UDP_ECHO_SERVER, exchange_framed
 

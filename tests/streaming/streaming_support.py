@@ -22,9 +22,9 @@ from podgate.aio.streams import (
     SocketStream,
     start_server,
 )
+from podgate.demo.api import DemoApi, DemoPod
 from podgate.proto.remotecommand import TerminalSize
 from podgate.streaming.client import Endpoint, pod_path
-from podgate.streaming.demo import DemoApi, DemoPod
 from podgate.streaming.local import LocalTarget
 
 # Remote ports of the demo pod; the LocalTarget maps them to real loopback servers.

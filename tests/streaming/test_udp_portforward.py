@@ -24,6 +24,7 @@ from podgate.aio.datagram import DatagramStream
 from podgate.aio.errors import StreamError
 from podgate.aio.streams import DEFAULT_RECEIVE_BYTES, Buffer, ByteStream, SocketStream
 from podgate.aio.streams import start_server as start_tcp_server
+from podgate.demo.api import DemoApi, DemoPod
 from podgate.forward.udp import FlowEvent, FlowEventKind, UdpRelay
 from podgate.proto import portforward as pf
 from podgate.proto.datagram import DatagramDecoder, encode_datagram
@@ -34,7 +35,6 @@ from podgate.streaming.client import (
     UdpNotSupportedError,
     pod_path,
 )
-from podgate.streaming.demo import DemoApi, DemoPod
 from podgate.streaming.local import LocalTarget
 from podgate.streaming.target import ExecIO, PodRef, TargetError
 from udp_support import DATAGRAMS, LocalPeer, UdpEcho, exchange_framed, wait_until

@@ -20,11 +20,10 @@ from podgate.aio.errors import BrokenStreamError, ConnectError, ForwardError
 from podgate.aio.streams import DEFAULT_RECEIVE_BYTES, Buffer, ByteStream, SocketStream
 from podgate.aio.ttrpc import TtrpcClient, TtrpcClosedError
 from podgate.backends.base import BackendError, BackendUnavailableError
+from podgate.model import PodRecord
 from podgate.proto.portforward import forward_error_message
 from podgate.proto.ttrpc import Code, TtrpcError
-from podgate.runtime.model import PodRecord
-from podgate.runtime.sandbox import shim_pb2
-from podgate.runtime.sandbox.lifecycle import shim_socket
+from podgate.shimapi import shim_pb2, shim_socket
 
 SHIM_SERVICE: Final = "podgate.shim.v1.Shim"
 # containerd PR #4814: exactly one connection, within 10 s of the call's success.

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from podgate.aio.streams import ByteStream
-from podgate.runtime.model import PodRecord
+from podgate.model import PodRecord
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,9 @@ from podgate.aio.errors import ForwardError
 from podgate.aio.splice import HALF_CLOSE_GRACE_SECONDS
 from podgate.aio.streams import DEFAULT_RECEIVE_BYTES, Buffer, ByteStream
 from podgate.backends.base import BackendUnavailableError
+from podgate.forwarders import NO_TOOL, PROBE_SCRIPT, forwarder_argv
+from podgate.model import ContainerRecord, ContainerState, PodRecord
 from podgate.proto.portforward import forward_error_message
-from podgate.runtime.model import ContainerRecord, ContainerState, PodRecord
 
 # How long the probe for a forwarder may take (an interpreter start or two), seconds.
 PROBE_TIMEOUT_SECONDS: Final = 15.0
@@ -37,71 +38,14 @@ EXIT_WAIT_SECONDS: Final = 2.0
 STDERR_LIMIT_BYTES: Final = 4096
 # Containers whose probe result is remembered; past this the memory starts over.
 TOOL_CACHE_ENTRIES: Final = 4096
-# socat's copy buffer: its 8 KiB default costs a wake-up per 8 KiB.
-SOCAT_BUFFER_BYTES: Final = 128 * 1024
 
-NO_TOOL: Final = "no port-forward tool in the container: install socat, busybox or python3"
 UDP_UNSUPPORTED: Final = "UDP port-forward is not supported by the exec backend"
-
-# stdin → 127.0.0.1:PORT (then ::1) → stdout, with half-close both ways.
-PYTHON_FORWARDER: Final = r"""
-import os, socket, sys, threading
-port, err = int(sys.argv[1]), None
-for host in ("127.0.0.1", "::1"):
-    try:
-        conn = socket.create_connection((host, port))
-        break
-    except OSError as e:
-        err = e
-else:
-    sys.exit(f"connect to localhost:{port}: {err}")
-def upload():
-    while data := os.read(0, 65536):
-        conn.sendall(data)
-    conn.shutdown(socket.SHUT_WR)
-uploader = threading.Thread(target=upload, daemon=True)
-uploader.start()
-while data := conn.recv(65536):
-    view = memoryview(data)
-    while view:
-        view = view[os.write(1, view):]
-os.close(1)
-uploader.join()
-"""
-
-# Prints the first forwarder the container has; $1 is the runtime's own interpreter.
-PROBE_SCRIPT: Final = r"""
-for py in "$1" python3; do
-  if command -v "$py" >/dev/null 2>&1 && "$py" -c 'import podgate.agent' >/dev/null 2>&1; then
-    echo "podgate $(command -v "$py")"; exit 0
-  fi
-done
-if command -v socat >/dev/null 2>&1; then echo socat; exit 0; fi
-if command -v busybox >/dev/null 2>&1 && busybox --list | grep -qx nc; then echo busybox; exit 0; fi
-if command -v python3 >/dev/null 2>&1; then echo python3; exit 0; fi
-echo none
-"""
 
 
 class ExecRuntime(Protocol):
     def pod_containers(self, pod_id: str) -> list[ContainerRecord]: ...
 
     def exec_argv(self, container: ContainerRecord, command: Sequence[str]) -> list[str]: ...
-
-
-def forwarder_argv(tool: str, port: int) -> list[str]:
-    """The command for `tool` as the probe names it ("podgate PATH", "socat", ...)."""
-    name, _, python = tool.partition(" ")
-    if name == "podgate":
-        return [python, "-m", "podgate", "agent", "forward", str(port)]
-    if name == "socat":
-        grace = f"{HALF_CLOSE_GRACE_SECONDS:g}"
-        return ["socat", "-b", str(SOCAT_BUFFER_BYTES), "-t", grace, "-", f"TCP:127.0.0.1:{port}"]
-    if name == "busybox":
-        return ["busybox", "nc", "127.0.0.1", str(port)]
-    if name == "python3":
-        return ["python3", "-c", PYTHON_FORWARDER, str(port)]
-    raise ValueError(f"unknown forwarder {tool!r}")
 
 
 class ExecBackend:
@@ -137,7 +81,9 @@ class ExecBackend:
         if tool == "none":
             raise BackendUnavailableError(NO_TOOL)
         process = await asyncio.create_subprocess_exec(
-            *self.runtime.exec_argv(container, forwarder_argv(tool, port)),
+            *self.runtime.exec_argv(
+                container, forwarder_argv(tool, port, half_close_grace=HALF_CLOSE_GRACE_SECONDS)
+            ),
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,

@@ -13,7 +13,7 @@ from podgate.aio.errors import ConnectError
 from podgate.aio.streams import ByteStream, SocketStream
 from podgate.backends.base import BackendError
 from podgate.linux.ns import NamespaceError, NetnsWorker, connect_in_netns
-from podgate.runtime.model import PodRecord
+from podgate.model import PodRecord
 
 
 class NetnsBackend:

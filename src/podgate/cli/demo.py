@@ -10,7 +10,7 @@ import tempfile
 import click
 
 from podgate.aio.loop import run
-from podgate.streaming.demo import DemoApi, DemoPod
+from podgate.demo.api import DemoApi, DemoPod
 from podgate.streaming.local import LocalTarget
 
 KUBECONFIG_TEMPLATE = """apiVersion: v1

@@ -15,12 +15,12 @@ from podgate.aio.loop import run
 from podgate.cli.demo import write_kubeconfig
 from podgate.cli.logs import setup_logging
 from podgate.cli.nri import nri_config, nri_options
+from podgate.demo.samples import ensure_example, load_example
 from podgate.node.cri_client import CriClient, CriPodSource
 from podgate.node.gateway import GatewayConfig
 from podgate.node.server import running_gateway
 from podgate.node.upstream import CriTarget
 from podgate.runtime.daemon import RuntimeConfig, running_runtime, wait_for_signal
-from podgate.runtime.pods import ensure_example, load_example
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from podgate.linux.proc import (
     wait_gone,
     wait_ready_file,
 )
-from podgate.runtime.model import ProcessRef
+from podgate.model import ProcessRef
 
 __all__ = [
     "HOLDER_START_TIMEOUT",

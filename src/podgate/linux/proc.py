@@ -12,7 +12,7 @@ import tempfile
 import time
 from typing import Any, Final
 
-from podgate.runtime.model import ProcessRef
+from podgate.model import ProcessRef
 
 __all__ = [
     "SpawnError",

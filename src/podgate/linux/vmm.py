@@ -41,7 +41,7 @@ from podgate.linux.proc import (
     wait_ready_file,
 )
 from podgate.linux.vsock import Address, Listener, Scheme, connect, listen
-from podgate.runtime.model import ProcessRef
+from podgate.model import ProcessRef
 
 __all__ = [
     "CONN_REQUEST_TIMEOUT_SECONDS",

@@ -21,10 +21,10 @@ from typing import TypeGuard, TypeVar
 import grpc
 import grpc.aio
 
+from podgate.cri import api_pb2 as pb
+from podgate.cri import api_pb2_grpc as pb_grpc
 from podgate.node.kubeapi import ContainerView, PodView
 from podgate.node.logs import LogSource
-from podgate.runtime.cri import api_pb2 as pb
-from podgate.runtime.cri import api_pb2_grpc as pb_grpc
 from podgate.streaming.target import StreamTarget
 
 log = logging.getLogger(__name__)

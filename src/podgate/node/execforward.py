@@ -10,8 +10,9 @@ from typing import Final
 
 from podgate.aio.errors import ForwardError, StreamError
 from podgate.aio.memory import memory_stream_pair
+from podgate.aio.splice import HALF_CLOSE_GRACE_SECONDS
 from podgate.aio.streams import DEFAULT_RECEIVE_BYTES, Buffer, ByteStream
-from podgate.backends.exec import NO_TOOL, PROBE_SCRIPT, forwarder_argv
+from podgate.forwarders import NO_TOOL, PROBE_SCRIPT, forwarder_argv
 from podgate.node.cri_client import CriClient, CriError
 from podgate.streaming.client import endpoint_from_url, exec_spdy
 from podgate.streaming.target import PodRef, TargetError
@@ -37,7 +38,11 @@ class ExecForwarder:
             raise TargetError(f"pod {pod} has no running container to run a forwarder in")
         tool = await self._tool(container)
         url = await self.client.exec_url(
-            container, forwarder_argv(tool, port), stdin=True, stdout=True, stderr=True
+            container,
+            forwarder_argv(tool, port, half_close_grace=HALF_CLOSE_GRACE_SECONDS),
+            stdin=True,
+            stdout=True,
+            stderr=True,
         )
         endpoint, path = endpoint_from_url(url)
         ours, theirs = memory_stream_pair(PIPE_BYTES)

@@ -14,15 +14,15 @@ from __future__ import annotations
 from collections.abc import MutableMapping, Sequence
 from typing import Any
 
-from podgate.nri import api_pb2 as api
-from podgate.nri.merge import REMOVAL_PREFIX
-from podgate.runtime.model import (
+from podgate.model import (
     ContainerRecord,
     ContainerSpec,
     ContainerState,
     NamespaceMode,
     PodRecord,
 )
+from podgate.nri import api_pb2 as api
+from podgate.nri.merge import REMOVAL_PREFIX
 
 __all__ = [
     "apply_adjustment",

@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from podgate.runtime.model import (
+from podgate.model import (
     ContainerMetadata,
     ContainerRecord,
     ContainerSpec,

@@ -18,9 +18,9 @@ from podgate.backends.agent import AgentBackend
 from podgate.backends.base import Backend, Backends, BackendUnavailableError
 from podgate.backends.exec import ExecBackend
 from podgate.backends.netns import NetnsBackend
+from podgate.model import PodRecord
 from podgate.nri.adaptation import Adaptation, NriConfig
 from podgate.runtime.cri.service import serve_cri, stop_cri
-from podgate.runtime.model import PodRecord
 from podgate.runtime.nri import RuntimeNri
 from podgate.runtime.runtime import Runtime
 from podgate.runtime.sandbox import lifecycle as sandbox

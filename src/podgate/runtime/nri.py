@@ -19,10 +19,10 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
+from podgate.model import ContainerRecord, PodRecord, PodState
 from podgate.nri import api_pb2 as api
 from podgate.nri import convert
 from podgate.runtime.api import FailedPreconditionError
-from podgate.runtime.model import ContainerRecord, PodRecord, PodState
 from podgate.runtime.sandbox import lifecycle as sandbox
 
 log = logging.getLogger(__name__)

@@ -22,6 +22,15 @@ from podgate import __version__
 from podgate.linux import holder as holder_mod
 from podgate.linux import shim as shim_mod
 from podgate.linux.proc import is_alive, read_json, signal_process
+from podgate.model import (
+    ContainerMetadata,
+    ContainerRecord,
+    ContainerSpec,
+    ContainerState,
+    NamespaceMode,
+    PodRecord,
+    PodState,
+)
 from podgate.proto import remotecommand as rc
 from podgate.proto.upgrade import StreamKind
 from podgate.runtime.api import (
@@ -33,15 +42,6 @@ from podgate.runtime.api import (
     PodConfig,
     ResourceExhaustedError,
     RuntimeCondition,
-)
-from podgate.runtime.model import (
-    ContainerMetadata,
-    ContainerRecord,
-    ContainerSpec,
-    ContainerState,
-    NamespaceMode,
-    PodRecord,
-    PodState,
 )
 from podgate.runtime.nri import RuntimeNri
 from podgate.runtime.sandbox import lifecycle as sandbox

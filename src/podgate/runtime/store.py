@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 
 from podgate.linux.proc import atomic_write_json
-from podgate.runtime.model import (
+from podgate.model import (
     ContainerRecord,
     PodRecord,
     container_from_json,

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from podgate.aio.errors import StreamError
 from podgate.aio.streams import ByteStream
 from podgate.backends.base import BackendError, Backends
-from podgate.linux import shim as shim_mod
 from podgate.proto.errors import ProtocolError
 from podgate.runtime.api import RuntimeError_
+from podgate.runtime.attach import run_attach
 from podgate.runtime.runtime import Runtime
 from podgate.streaming.local import run_process
 from podgate.streaming.target import ExecIO, PodRef, TargetError
@@ -37,7 +37,7 @@ class RuntimeTarget:
             raise TargetError(str(exc)) from exc
         socket_path = str(self.runtime.store.run_path(record.id) / "attach.sock")
         try:
-            return await shim_mod.run_attach(socket_path, io)
+            return await run_attach(socket_path, io)
         except (StreamError, ProtocolError) as exc:
             raise TargetError(f"cannot attach to container {record.id}: {exc}") from exc
 

@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 from runtime_e2e_support import Pods, RuntimeDaemon, running_daemon, state_root
 
-from podgate.runtime.cri import api_pb2_grpc as pb_grpc
+from podgate.cri import api_pb2_grpc as pb_grpc
 
 
 def _require_root() -> None:

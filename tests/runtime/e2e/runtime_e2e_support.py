@@ -31,11 +31,11 @@ import grpc.aio
 
 from podgate.aio.errors import ClosedStreamError
 from podgate.aio.streams import DEFAULT_RECEIVE_BYTES, Buffer, ByteStream
+from podgate.cri import api_pb2 as pb
+from podgate.cri import api_pb2_grpc as pb_grpc
 from podgate.linux.proc import signal_process
+from podgate.model import ProcessRef
 from podgate.proto.remotecommand import TerminalSize
-from podgate.runtime.cri import api_pb2 as pb
-from podgate.runtime.cri import api_pb2_grpc as pb_grpc
-from podgate.runtime.model import ProcessRef
 from podgate.streaming.client import Endpoint
 
 # sun_path holds 107 bytes and the daemon puts sockets under <state>/run/<64-hex id>/, so the

@@ -20,9 +20,9 @@ import grpc
 import pytest
 from runtime_e2e_support import Pods, Sink, rpc_error, stream_target, unknown_id
 
-from podgate.runtime.cri import api_pb2 as pb
-from podgate.runtime.cri import api_pb2_grpc as pb_grpc
-from podgate.runtime.model import PodMetadata, PodRecord, PodState
+from podgate.cri import api_pb2 as pb
+from podgate.cri import api_pb2_grpc as pb_grpc
+from podgate.model import PodMetadata, PodRecord, PodState
 from podgate.runtime.store import Store
 from podgate.streaming.client import exec_spdy, exec_websocket
 
@@ -185,7 +185,7 @@ async def test_streaming_exec_that_cannot_start_is_not_reported_as_success(
 # A state write that dies between writing its temporary file and renaming it into place.
 CRASHING_WRITER = r"""
 import os, signal, sys
-from podgate.runtime.model import PodMetadata, PodRecord, PodState
+from podgate.model import PodMetadata, PodRecord, PodState
 from podgate.runtime.store import Store
 
 store = Store(sys.argv[1])

@@ -15,8 +15,8 @@ import sys
 import pytest
 from runtime_e2e_support import POD_CLIENT, Pod, Pods, read_all, stream_target
 
-from podgate.runtime.cri import api_pb2 as pb
-from podgate.runtime.cri import api_pb2_grpc as pb_grpc
+from podgate.cri import api_pb2 as pb
+from podgate.cri import api_pb2_grpc as pb_grpc
 from podgate.streaming.client import PortForwardSession
 
 pytestmark = [

@@ -28,9 +28,9 @@ from runtime_e2e_support import (
     wait_for_log,
 )
 
+from podgate.cri import api_pb2 as pb
+from podgate.cri import api_pb2_grpc as pb_grpc
 from podgate.linux.proc import is_alive, process_ref
-from podgate.runtime.cri import api_pb2 as pb
-from podgate.runtime.cri import api_pb2_grpc as pb_grpc
 
 pytestmark = [
     pytest.mark.privileged,

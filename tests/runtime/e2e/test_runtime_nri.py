@@ -35,8 +35,8 @@ from runtime_e2e_support import (
     wait_for_log,
 )
 
-from podgate.runtime.cri import api_pb2 as pb
-from podgate.runtime.cri import api_pb2_grpc as pb_grpc
+from podgate.cri import api_pb2 as pb
+from podgate.cri import api_pb2_grpc as pb_grpc
 from process_support import processes_mentioning
 
 pytestmark = [pytest.mark.e2e, pytest.mark.privileged]

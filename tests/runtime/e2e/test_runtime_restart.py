@@ -24,8 +24,8 @@ from runtime_e2e_support import (
     wait_for_log,
 )
 
+from podgate.cri import api_pb2 as pb
 from podgate.linux.proc import is_alive, process_ref
-from podgate.runtime.cri import api_pb2 as pb
 from podgate.streaming.client import exec_spdy
 
 pytestmark = [

@@ -32,8 +32,8 @@ from runtime_e2e_support import (
 )
 
 from podgate.aio.errors import StreamError
-from podgate.runtime.cri import api_pb2 as pb
-from podgate.runtime.cri import api_pb2_grpc as pb_grpc
+from podgate.cri import api_pb2 as pb
+from podgate.cri import api_pb2_grpc as pb_grpc
 from podgate.streaming.client import (
     ExecResult,
     PortForwardSession,

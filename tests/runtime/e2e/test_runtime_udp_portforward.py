@@ -13,9 +13,9 @@ import sys
 import pytest
 from runtime_e2e_support import WAIT_SECONDS, Pod, Pods, stream_target, wait_for_log
 
+from podgate.cri import api_pb2 as pb
+from podgate.cri import api_pb2_grpc as pb_grpc
 from podgate.proto.datagram import DatagramDecoder, encode_datagram
-from podgate.runtime.cri import api_pb2 as pb
-from podgate.runtime.cri import api_pb2_grpc as pb_grpc
 from podgate.streaming.client import PortForwardSession
 from udp_support import DATAGRAMS, UDP_ECHO_SERVER, exchange_framed
 

@@ -11,9 +11,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from podgate.runtime.api import InvalidArgumentError, PodConfig, RuntimeCondition
-from podgate.runtime.cri import api_pb2 as pb
-from podgate.runtime.model import (
+from podgate.cri import api_pb2 as pb
+from podgate.model import (
     ContainerMetadata,
     ContainerRecord,
     ContainerSpec,
@@ -23,6 +22,7 @@ from podgate.runtime.model import (
     PodRecord,
     PodState,
 )
+from podgate.runtime.api import InvalidArgumentError, PodConfig, RuntimeCondition
 
 # Ports are 16-bit and port 0 cannot be connected to.
 MIN_PORT = 1

@@ -16,9 +16,9 @@ from collections.abc import Callable
 import grpc
 import grpc.aio
 
+from podgate.cri import api_pb2 as pb
+from podgate.cri import api_pb2_grpc as pb_grpc
 from podgate.runtime.api import NotFoundError, RuntimeApi
-from podgate.runtime.cri import api_pb2 as pb
-from podgate.runtime.cri import api_pb2_grpc as pb_grpc
 from podgate.runtime.cri import convert
 from podgate.runtime.cri.errors import Context, cri_method
 

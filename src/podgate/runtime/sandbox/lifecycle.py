@@ -18,8 +18,9 @@ from typing import Any, Final
 from podgate.linux import holder as holder_mod
 from podgate.linux.proc import SpawnError, is_alive, signal_process, spawn_detached, wait_gone
 from podgate.linux.proc import wait_ready_file as _wait_ready_file
+from podgate.model import PodRecord, ProcessRef
 from podgate.runtime.api import FailedPreconditionError
-from podgate.runtime.model import PodRecord, ProcessRef
+from podgate.shimapi import SHIM_SOCKET, shim_socket
 
 __all__ = [
     "GUEST_NS_PID",
@@ -41,7 +42,6 @@ log = logging.getLogger(__name__)
 
 HANDLER: Final = "sandboxed"
 # Files in the pod's run directory.
-SHIM_SOCKET: Final = "shim.sock"
 READY_FILE: Final = "sandbox.json"
 SHIM_LOG: Final = "sandbox-shim.log"
 # PodRecord.extra keys.
@@ -62,10 +62,6 @@ class SandboxError(SpawnError):
 
 def is_sandboxed(pod: PodRecord) -> bool:
     return pod.runtime_handler == HANDLER
-
-
-def shim_socket(run_dir: Path) -> Path:
-    return run_dir / SHIM_SOCKET
 
 
 def _ref(pod: PodRecord, key: str) -> ProcessRef | None:

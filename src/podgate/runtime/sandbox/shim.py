@@ -58,9 +58,9 @@ from podgate.linux.proc import (
     process_ref,
     wait_ready_file,
 )
+from podgate.model import ProcessRef
 from podgate.proto.ttrpc import Code, TtrpcError
-from podgate.runtime.model import ProcessRef
-from podgate.runtime.sandbox import shim_pb2
+from podgate.shimapi import shim_pb2
 
 __all__ = [
     "AGENT_SERVICE",

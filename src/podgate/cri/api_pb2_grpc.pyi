@@ -11,7 +11,7 @@ Regenerate the Python modules with `python -m podgate.runtime.cri.generate`.
 
 from collections import abc as _abc
 from grpc import aio as _aio
-from podgate.runtime.cri import api_pb2 as _api_pb2
+from podgate.cri import api_pb2 as _api_pb2
 import abc as _abc_1
 import grpc as _grpc
 import sys

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from podgate.runtime.cri import api_pb2 as podgate_dot_runtime_dot_cri_dot_api__pb2
+from podgate.cri import api_pb2 as podgate_dot_cri_dot_api__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in podgate/runtime/cri/api_pb2_grpc.py depends on'
+        + ' but the generated code in podgate/cri/api_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,93 +37,93 @@ class RuntimeServiceStub:
         """
         self.Version = channel.unary_unary(
                 '/runtime.v1.RuntimeService/Version',
-                request_serializer=podgate_dot_runtime_dot_cri_dot_api__pb2.VersionRequest.SerializeToString,
-                response_deserializer=podgate_dot_runtime_dot_cri_dot_api__pb2.VersionResponse.FromString,
+                request_serializer=podgate_dot_cri_dot_api__pb2.VersionRequest.SerializeToString,
+                response_deserializer=podgate_dot_cri_dot_api__pb2.VersionResponse.FromString,
                 _registered_method=True)
         self.RunPodSandbox = channel.unary_unary(
                 '/runtime.v1.RuntimeService/RunPodSandbox',
-                request_serializer=podgate_dot_runtime_dot_cri_dot_api__pb2.RunPodSandboxRequest.SerializeToString,
-                response_deserializer=podgate_dot_runtime_dot_cri_dot_api__pb2.RunPodSandboxResponse.FromString,
+                request_serializer=podgate_dot_cri_dot_api__pb2.RunPodSandboxRequest.SerializeToString,
+                response_deserializer=podgate_dot_cri_dot_api__pb2.RunPodSandboxResponse.FromString,
                 _registered_method=True)
         self.StopPodSandbox = channel.unary_unary(
                 '/runtime.v1.RuntimeService/StopPodSandbox',
-                request_serializer=podgate_dot_runtime_dot_cri_dot_api__pb2.StopPodSandboxRequest.SerializeToString,
-                response_deserializer=podgate_dot_runtime_dot_cri_dot_api__pb2.StopPodSandboxResponse.FromString,
+                request_serializer=podgate_dot_cri_dot_api__pb2.StopPodSandboxRequest.SerializeToString,
+                response_deserializer=podgate_dot_cri_dot_api__pb2.StopPodSandboxResponse.FromString,
                 _registered_method=True)
         self.RemovePodSandbox = channel.unary_unary(
                 '/runtime.v1.RuntimeService/RemovePodSandbox',
-                request_serializer=podgate_dot_runtime_dot_cri_dot_api__pb2.RemovePodSandboxRequest.SerializeToString,
-                response_deserializer=podgate_dot_runtime_dot_cri_dot_api__pb2.RemovePodSandboxResponse.FromString,
+                request_serializer=podgate_dot_cri_dot_api__pb2.RemovePodSandboxRequest.SerializeToString,
+                response_deserializer=podgate_dot_cri_dot_api__pb2.RemovePodSandboxResponse.FromString,
                 _registered_method=True)
         self.PodSandboxStatus = channel.unary_unary(
                 '/runtime.v1.RuntimeService/PodSandboxStatus',
-                request_serializer=podgate_dot_runtime_dot_cri_dot_api__pb2.PodSandboxStatusRequest.SerializeToString,
-                response_deserializer=podgate_dot_runtime_dot_cri_dot_api__pb2.PodSandboxStatusResponse.FromString,
+                request_serializer=podgate_dot_cri_dot_api__pb2.PodSandboxStatusRequest.SerializeToString,
+                response_deserializer=podgate_dot_cri_dot_api__pb2.PodSandboxStatusResponse.FromString,
                 _registered_method=True)
         self.ListPodSandbox = channel.unary_unary(
                 '/runtime.v1.RuntimeService/ListPodSandbox',
-                request_serializer=podgate_dot_runtime_dot_cri_dot_api__pb2.ListPodSandboxRequest.SerializeToString,
-                response_deserializer=podgate_dot_runtime_dot_cri_dot_api__pb2.ListPodSandboxResponse.FromString,
+                request_serializer=podgate_dot_cri_dot_api__pb2.ListPodSandboxRequest.SerializeToString,
+                response_deserializer=podgate_dot_cri_dot_api__pb2.ListPodSandboxResponse.FromString,
                 _registered_method=True)
         self.CreateContainer = channel.unary_unary(
                 '/runtime.v1.RuntimeService/CreateContainer',
-                request_serializer=podgate_dot_runtime_dot_cri_dot_api__pb2.CreateContainerRequest.SerializeToString,
-                response_deserializer=podgate_dot_runtime_dot_cri_dot_api__pb2.CreateContainerResponse.FromString,
+                request_serializer=podgate_dot_cri_dot_api__pb2.CreateContainerRequest.SerializeToString,
+                response_deserializer=podgate_dot_cri_dot_api__pb2.CreateContainerResponse.FromString,
                 _registered_method=True)
         self.StartContainer = channel.unary_unary(
                 '/runtime.v1.RuntimeService/StartContainer',
-                request_serializer=podgate_dot_runtime_dot_cri_dot_api__pb2.StartContainerRequest.SerializeToString,
-                response_deserializer=podgate_dot_runtime_dot_cri_dot_api__pb2.StartContainerResponse.FromString,
+                request_serializer=podgate_dot_cri_dot_api__pb2.StartContainerRequest.SerializeToString,
+                response_deserializer=podgate_dot_cri_dot_api__pb2.StartContainerResponse.FromString,
                 _registered_method=True)
         self.StopContainer = channel.unary_unary(
                 '/runtime.v1.RuntimeService/StopContainer',
-                request_serializer=podgate_dot_runtime_dot_cri_dot_api__pb2.StopContainerRequest.SerializeToString,
-                response_deserializer=podgate_dot_runtime_dot_cri_dot_api__pb2.StopContainerResponse.FromString,
+                request_serializer=podgate_dot_cri_dot_api__pb2.StopContainerRequest.SerializeToString,
+                response_deserializer=podgate_dot_cri_dot_api__pb2.StopContainerResponse.FromString,
                 _registered_method=True)
         self.RemoveContainer = channel.unary_unary(
                 '/runtime.v1.RuntimeService/RemoveContainer',
-                request_serializer=podgate_dot_runtime_dot_cri_dot_api__pb2.RemoveContainerRequest.SerializeToString,
-                response_deserializer=podgate_dot_runtime_dot_cri_dot_api__pb2.RemoveContainerResponse.FromString,
+                request_serializer=podgate_dot_cri_dot_api__pb2.RemoveContainerRequest.SerializeToString,
+                response_deserializer=podgate_dot_cri_dot_api__pb2.RemoveContainerResponse.FromString,
                 _registered_method=True)
         self.ListContainers = channel.unary_unary(
                 '/runtime.v1.RuntimeService/ListContainers',
-                request_serializer=podgate_dot_runtime_dot_cri_dot_api__pb2.ListContainersRequest.SerializeToString,
-                response_deserializer=podgate_dot_runtime_dot_cri_dot_api__pb2.ListContainersResponse.FromString,
+                request_serializer=podgate_dot_cri_dot_api__pb2.ListContainersRequest.SerializeToString,
+                response_deserializer=podgate_dot_cri_dot_api__pb2.ListContainersResponse.FromString,
                 _registered_method=True)
         self.ContainerStatus = channel.unary_unary(
                 '/runtime.v1.RuntimeService/ContainerStatus',
-                request_serializer=podgate_dot_runtime_dot_cri_dot_api__pb2.ContainerStatusRequest.SerializeToString,
-                response_deserializer=podgate_dot_runtime_dot_cri_dot_api__pb2.ContainerStatusResponse.FromString,
+                request_serializer=podgate_dot_cri_dot_api__pb2.ContainerStatusRequest.SerializeToString,
+                response_deserializer=podgate_dot_cri_dot_api__pb2.ContainerStatusResponse.FromString,
                 _registered_method=True)
         self.ExecSync = channel.unary_unary(
                 '/runtime.v1.RuntimeService/ExecSync',
-                request_serializer=podgate_dot_runtime_dot_cri_dot_api__pb2.ExecSyncRequest.SerializeToString,
-                response_deserializer=podgate_dot_runtime_dot_cri_dot_api__pb2.ExecSyncResponse.FromString,
+                request_serializer=podgate_dot_cri_dot_api__pb2.ExecSyncRequest.SerializeToString,
+                response_deserializer=podgate_dot_cri_dot_api__pb2.ExecSyncResponse.FromString,
                 _registered_method=True)
         self.Exec = channel.unary_unary(
                 '/runtime.v1.RuntimeService/Exec',
-                request_serializer=podgate_dot_runtime_dot_cri_dot_api__pb2.ExecRequest.SerializeToString,
-                response_deserializer=podgate_dot_runtime_dot_cri_dot_api__pb2.ExecResponse.FromString,
+                request_serializer=podgate_dot_cri_dot_api__pb2.ExecRequest.SerializeToString,
+                response_deserializer=podgate_dot_cri_dot_api__pb2.ExecResponse.FromString,
                 _registered_method=True)
         self.Attach = channel.unary_unary(
                 '/runtime.v1.RuntimeService/Attach',
-                request_serializer=podgate_dot_runtime_dot_cri_dot_api__pb2.AttachRequest.SerializeToString,
-                response_deserializer=podgate_dot_runtime_dot_cri_dot_api__pb2.AttachResponse.FromString,
+                request_serializer=podgate_dot_cri_dot_api__pb2.AttachRequest.SerializeToString,
+                response_deserializer=podgate_dot_cri_dot_api__pb2.AttachResponse.FromString,
                 _registered_method=True)
         self.PortForward = channel.unary_unary(
                 '/runtime.v1.RuntimeService/PortForward',
-                request_serializer=podgate_dot_runtime_dot_cri_dot_api__pb2.PortForwardRequest.SerializeToString,
-                response_deserializer=podgate_dot_runtime_dot_cri_dot_api__pb2.PortForwardResponse.FromString,
+                request_serializer=podgate_dot_cri_dot_api__pb2.PortForwardRequest.SerializeToString,
+                response_deserializer=podgate_dot_cri_dot_api__pb2.PortForwardResponse.FromString,
                 _registered_method=True)
         self.UpdateRuntimeConfig = channel.unary_unary(
                 '/runtime.v1.RuntimeService/UpdateRuntimeConfig',
-                request_serializer=podgate_dot_runtime_dot_cri_dot_api__pb2.UpdateRuntimeConfigRequest.SerializeToString,
-                response_deserializer=podgate_dot_runtime_dot_cri_dot_api__pb2.UpdateRuntimeConfigResponse.FromString,
+                request_serializer=podgate_dot_cri_dot_api__pb2.UpdateRuntimeConfigRequest.SerializeToString,
+                response_deserializer=podgate_dot_cri_dot_api__pb2.UpdateRuntimeConfigResponse.FromString,
                 _registered_method=True)
         self.Status = channel.unary_unary(
                 '/runtime.v1.RuntimeService/Status',
-                request_serializer=podgate_dot_runtime_dot_cri_dot_api__pb2.StatusRequest.SerializeToString,
-                response_deserializer=podgate_dot_runtime_dot_cri_dot_api__pb2.StatusResponse.FromString,
+                request_serializer=podgate_dot_cri_dot_api__pb2.StatusRequest.SerializeToString,
+                response_deserializer=podgate_dot_cri_dot_api__pb2.StatusResponse.FromString,
                 _registered_method=True)
 
 
@@ -244,93 +244,93 @@ def add_RuntimeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Version': grpc.unary_unary_rpc_method_handler(
                     servicer.Version,
-                    request_deserializer=podgate_dot_runtime_dot_cri_dot_api__pb2.VersionRequest.FromString,
-                    response_serializer=podgate_dot_runtime_dot_cri_dot_api__pb2.VersionResponse.SerializeToString,
+                    request_deserializer=podgate_dot_cri_dot_api__pb2.VersionRequest.FromString,
+                    response_serializer=podgate_dot_cri_dot_api__pb2.VersionResponse.SerializeToString,
             ),
             'RunPodSandbox': grpc.unary_unary_rpc_method_handler(
                     servicer.RunPodSandbox,
-                    request_deserializer=podgate_dot_runtime_dot_cri_dot_api__pb2.RunPodSandboxRequest.FromString,
-                    response_serializer=podgate_dot_runtime_dot_cri_dot_api__pb2.RunPodSandboxResponse.SerializeToString,
+                    request_deserializer=podgate_dot_cri_dot_api__pb2.RunPodSandboxRequest.FromString,
+                    response_serializer=podgate_dot_cri_dot_api__pb2.RunPodSandboxResponse.SerializeToString,
             ),
             'StopPodSandbox': grpc.unary_unary_rpc_method_handler(
                     servicer.StopPodSandbox,
-                    request_deserializer=podgate_dot_runtime_dot_cri_dot_api__pb2.StopPodSandboxRequest.FromString,
-                    response_serializer=podgate_dot_runtime_dot_cri_dot_api__pb2.StopPodSandboxResponse.SerializeToString,
+                    request_deserializer=podgate_dot_cri_dot_api__pb2.StopPodSandboxRequest.FromString,
+                    response_serializer=podgate_dot_cri_dot_api__pb2.StopPodSandboxResponse.SerializeToString,
             ),
             'RemovePodSandbox': grpc.unary_unary_rpc_method_handler(
                     servicer.RemovePodSandbox,
-                    request_deserializer=podgate_dot_runtime_dot_cri_dot_api__pb2.RemovePodSandboxRequest.FromString,
-                    response_serializer=podgate_dot_runtime_dot_cri_dot_api__pb2.RemovePodSandboxResponse.SerializeToString,
+                    request_deserializer=podgate_dot_cri_dot_api__pb2.RemovePodSandboxRequest.FromString,
+                    response_serializer=podgate_dot_cri_dot_api__pb2.RemovePodSandboxResponse.SerializeToString,
             ),
             'PodSandboxStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.PodSandboxStatus,
-                    request_deserializer=podgate_dot_runtime_dot_cri_dot_api__pb2.PodSandboxStatusRequest.FromString,
-                    response_serializer=podgate_dot_runtime_dot_cri_dot_api__pb2.PodSandboxStatusResponse.SerializeToString,
+                    request_deserializer=podgate_dot_cri_dot_api__pb2.PodSandboxStatusRequest.FromString,
+                    response_serializer=podgate_dot_cri_dot_api__pb2.PodSandboxStatusResponse.SerializeToString,
             ),
             'ListPodSandbox': grpc.unary_unary_rpc_method_handler(
                     servicer.ListPodSandbox,
-                    request_deserializer=podgate_dot_runtime_dot_cri_dot_api__pb2.ListPodSandboxRequest.FromString,
-                    response_serializer=podgate_dot_runtime_dot_cri_dot_api__pb2.ListPodSandboxResponse.SerializeToString,
+                    request_deserializer=podgate_dot_cri_dot_api__pb2.ListPodSandboxRequest.FromString,
+                    response_serializer=podgate_dot_cri_dot_api__pb2.ListPodSandboxResponse.SerializeToString,
             ),
             'CreateContainer': grpc.unary_unary_rpc_method_handler(
                     servicer.CreateContainer,
-                    request_deserializer=podgate_dot_runtime_dot_cri_dot_api__pb2.CreateContainerRequest.FromString,
-                    response_serializer=podgate_dot_runtime_dot_cri_dot_api__pb2.CreateContainerResponse.SerializeToString,
+                    request_deserializer=podgate_dot_cri_dot_api__pb2.CreateContainerRequest.FromString,
+                    response_serializer=podgate_dot_cri_dot_api__pb2.CreateContainerResponse.SerializeToString,
             ),
             'StartContainer': grpc.unary_unary_rpc_method_handler(
                     servicer.StartContainer,
-                    request_deserializer=podgate_dot_runtime_dot_cri_dot_api__pb2.StartContainerRequest.FromString,
-                    response_serializer=podgate_dot_runtime_dot_cri_dot_api__pb2.StartContainerResponse.SerializeToString,
+                    request_deserializer=podgate_dot_cri_dot_api__pb2.StartContainerRequest.FromString,
+                    response_serializer=podgate_dot_cri_dot_api__pb2.StartContainerResponse.SerializeToString,
             ),
             'StopContainer': grpc.unary_unary_rpc_method_handler(
                     servicer.StopContainer,
-                    request_deserializer=podgate_dot_runtime_dot_cri_dot_api__pb2.StopContainerRequest.FromString,
-                    response_serializer=podgate_dot_runtime_dot_cri_dot_api__pb2.StopContainerResponse.SerializeToString,
+                    request_deserializer=podgate_dot_cri_dot_api__pb2.StopContainerRequest.FromString,
+                    response_serializer=podgate_dot_cri_dot_api__pb2.StopContainerResponse.SerializeToString,
             ),
             'RemoveContainer': grpc.unary_unary_rpc_method_handler(
                     servicer.RemoveContainer,
-                    request_deserializer=podgate_dot_runtime_dot_cri_dot_api__pb2.RemoveContainerRequest.FromString,
-                    response_serializer=podgate_dot_runtime_dot_cri_dot_api__pb2.RemoveContainerResponse.SerializeToString,
+                    request_deserializer=podgate_dot_cri_dot_api__pb2.RemoveContainerRequest.FromString,
+                    response_serializer=podgate_dot_cri_dot_api__pb2.RemoveContainerResponse.SerializeToString,
             ),
             'ListContainers': grpc.unary_unary_rpc_method_handler(
                     servicer.ListContainers,
-                    request_deserializer=podgate_dot_runtime_dot_cri_dot_api__pb2.ListContainersRequest.FromString,
-                    response_serializer=podgate_dot_runtime_dot_cri_dot_api__pb2.ListContainersResponse.SerializeToString,
+                    request_deserializer=podgate_dot_cri_dot_api__pb2.ListContainersRequest.FromString,
+                    response_serializer=podgate_dot_cri_dot_api__pb2.ListContainersResponse.SerializeToString,
             ),
             'ContainerStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.ContainerStatus,
-                    request_deserializer=podgate_dot_runtime_dot_cri_dot_api__pb2.ContainerStatusRequest.FromString,
-                    response_serializer=podgate_dot_runtime_dot_cri_dot_api__pb2.ContainerStatusResponse.SerializeToString,
+                    request_deserializer=podgate_dot_cri_dot_api__pb2.ContainerStatusRequest.FromString,
+                    response_serializer=podgate_dot_cri_dot_api__pb2.ContainerStatusResponse.SerializeToString,
             ),
             'ExecSync': grpc.unary_unary_rpc_method_handler(
                     servicer.ExecSync,
-                    request_deserializer=podgate_dot_runtime_dot_cri_dot_api__pb2.ExecSyncRequest.FromString,
-                    response_serializer=podgate_dot_runtime_dot_cri_dot_api__pb2.ExecSyncResponse.SerializeToString,
+                    request_deserializer=podgate_dot_cri_dot_api__pb2.ExecSyncRequest.FromString,
+                    response_serializer=podgate_dot_cri_dot_api__pb2.ExecSyncResponse.SerializeToString,
             ),
             'Exec': grpc.unary_unary_rpc_method_handler(
                     servicer.Exec,
-                    request_deserializer=podgate_dot_runtime_dot_cri_dot_api__pb2.ExecRequest.FromString,
-                    response_serializer=podgate_dot_runtime_dot_cri_dot_api__pb2.ExecResponse.SerializeToString,
+                    request_deserializer=podgate_dot_cri_dot_api__pb2.ExecRequest.FromString,
+                    response_serializer=podgate_dot_cri_dot_api__pb2.ExecResponse.SerializeToString,
             ),
             'Attach': grpc.unary_unary_rpc_method_handler(
                     servicer.Attach,
-                    request_deserializer=podgate_dot_runtime_dot_cri_dot_api__pb2.AttachRequest.FromString,
-                    response_serializer=podgate_dot_runtime_dot_cri_dot_api__pb2.AttachResponse.SerializeToString,
+                    request_deserializer=podgate_dot_cri_dot_api__pb2.AttachRequest.FromString,
+                    response_serializer=podgate_dot_cri_dot_api__pb2.AttachResponse.SerializeToString,
             ),
             'PortForward': grpc.unary_unary_rpc_method_handler(
                     servicer.PortForward,
-                    request_deserializer=podgate_dot_runtime_dot_cri_dot_api__pb2.PortForwardRequest.FromString,
-                    response_serializer=podgate_dot_runtime_dot_cri_dot_api__pb2.PortForwardResponse.SerializeToString,
+                    request_deserializer=podgate_dot_cri_dot_api__pb2.PortForwardRequest.FromString,
+                    response_serializer=podgate_dot_cri_dot_api__pb2.PortForwardResponse.SerializeToString,
             ),
             'UpdateRuntimeConfig': grpc.unary_unary_rpc_method_handler(
                     servicer.UpdateRuntimeConfig,
-                    request_deserializer=podgate_dot_runtime_dot_cri_dot_api__pb2.UpdateRuntimeConfigRequest.FromString,
-                    response_serializer=podgate_dot_runtime_dot_cri_dot_api__pb2.UpdateRuntimeConfigResponse.SerializeToString,
+                    request_deserializer=podgate_dot_cri_dot_api__pb2.UpdateRuntimeConfigRequest.FromString,
+                    response_serializer=podgate_dot_cri_dot_api__pb2.UpdateRuntimeConfigResponse.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
-                    request_deserializer=podgate_dot_runtime_dot_cri_dot_api__pb2.StatusRequest.FromString,
-                    response_serializer=podgate_dot_runtime_dot_cri_dot_api__pb2.StatusResponse.SerializeToString,
+                    request_deserializer=podgate_dot_cri_dot_api__pb2.StatusRequest.FromString,
+                    response_serializer=podgate_dot_cri_dot_api__pb2.StatusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -359,8 +359,8 @@ class RuntimeService:
             request,
             target,
             '/runtime.v1.RuntimeService/Version',
-            podgate_dot_runtime_dot_cri_dot_api__pb2.VersionRequest.SerializeToString,
-            podgate_dot_runtime_dot_cri_dot_api__pb2.VersionResponse.FromString,
+            podgate_dot_cri_dot_api__pb2.VersionRequest.SerializeToString,
+            podgate_dot_cri_dot_api__pb2.VersionResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -386,8 +386,8 @@ class RuntimeService:
             request,
             target,
             '/runtime.v1.RuntimeService/RunPodSandbox',
-            podgate_dot_runtime_dot_cri_dot_api__pb2.RunPodSandboxRequest.SerializeToString,
-            podgate_dot_runtime_dot_cri_dot_api__pb2.RunPodSandboxResponse.FromString,
+            podgate_dot_cri_dot_api__pb2.RunPodSandboxRequest.SerializeToString,
+            podgate_dot_cri_dot_api__pb2.RunPodSandboxResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -413,8 +413,8 @@ class RuntimeService:
             request,
             target,
             '/runtime.v1.RuntimeService/StopPodSandbox',
-            podgate_dot_runtime_dot_cri_dot_api__pb2.StopPodSandboxRequest.SerializeToString,
-            podgate_dot_runtime_dot_cri_dot_api__pb2.StopPodSandboxResponse.FromString,
+            podgate_dot_cri_dot_api__pb2.StopPodSandboxRequest.SerializeToString,
+            podgate_dot_cri_dot_api__pb2.StopPodSandboxResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -440,8 +440,8 @@ class RuntimeService:
             request,
             target,
             '/runtime.v1.RuntimeService/RemovePodSandbox',
-            podgate_dot_runtime_dot_cri_dot_api__pb2.RemovePodSandboxRequest.SerializeToString,
-            podgate_dot_runtime_dot_cri_dot_api__pb2.RemovePodSandboxResponse.FromString,
+            podgate_dot_cri_dot_api__pb2.RemovePodSandboxRequest.SerializeToString,
+            podgate_dot_cri_dot_api__pb2.RemovePodSandboxResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -467,8 +467,8 @@ class RuntimeService:
             request,
             target,
             '/runtime.v1.RuntimeService/PodSandboxStatus',
-            podgate_dot_runtime_dot_cri_dot_api__pb2.PodSandboxStatusRequest.SerializeToString,
-            podgate_dot_runtime_dot_cri_dot_api__pb2.PodSandboxStatusResponse.FromString,
+            podgate_dot_cri_dot_api__pb2.PodSandboxStatusRequest.SerializeToString,
+            podgate_dot_cri_dot_api__pb2.PodSandboxStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -494,8 +494,8 @@ class RuntimeService:
             request,
             target,
             '/runtime.v1.RuntimeService/ListPodSandbox',
-            podgate_dot_runtime_dot_cri_dot_api__pb2.ListPodSandboxRequest.SerializeToString,
-            podgate_dot_runtime_dot_cri_dot_api__pb2.ListPodSandboxResponse.FromString,
+            podgate_dot_cri_dot_api__pb2.ListPodSandboxRequest.SerializeToString,
+            podgate_dot_cri_dot_api__pb2.ListPodSandboxResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -521,8 +521,8 @@ class RuntimeService:
             request,
             target,
             '/runtime.v1.RuntimeService/CreateContainer',
-            podgate_dot_runtime_dot_cri_dot_api__pb2.CreateContainerRequest.SerializeToString,
-            podgate_dot_runtime_dot_cri_dot_api__pb2.CreateContainerResponse.FromString,
+            podgate_dot_cri_dot_api__pb2.CreateContainerRequest.SerializeToString,
+            podgate_dot_cri_dot_api__pb2.CreateContainerResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -548,8 +548,8 @@ class RuntimeService:
             request,
             target,
             '/runtime.v1.RuntimeService/StartContainer',
-            podgate_dot_runtime_dot_cri_dot_api__pb2.StartContainerRequest.SerializeToString,
-            podgate_dot_runtime_dot_cri_dot_api__pb2.StartContainerResponse.FromString,
+            podgate_dot_cri_dot_api__pb2.StartContainerRequest.SerializeToString,
+            podgate_dot_cri_dot_api__pb2.StartContainerResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -575,8 +575,8 @@ class RuntimeService:
             request,
             target,
             '/runtime.v1.RuntimeService/StopContainer',
-            podgate_dot_runtime_dot_cri_dot_api__pb2.StopContainerRequest.SerializeToString,
-            podgate_dot_runtime_dot_cri_dot_api__pb2.StopContainerResponse.FromString,
+            podgate_dot_cri_dot_api__pb2.StopContainerRequest.SerializeToString,
+            podgate_dot_cri_dot_api__pb2.StopContainerResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -602,8 +602,8 @@ class RuntimeService:
             request,
             target,
             '/runtime.v1.RuntimeService/RemoveContainer',
-            podgate_dot_runtime_dot_cri_dot_api__pb2.RemoveContainerRequest.SerializeToString,
-            podgate_dot_runtime_dot_cri_dot_api__pb2.RemoveContainerResponse.FromString,
+            podgate_dot_cri_dot_api__pb2.RemoveContainerRequest.SerializeToString,
+            podgate_dot_cri_dot_api__pb2.RemoveContainerResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -629,8 +629,8 @@ class RuntimeService:
             request,
             target,
             '/runtime.v1.RuntimeService/ListContainers',
-            podgate_dot_runtime_dot_cri_dot_api__pb2.ListContainersRequest.SerializeToString,
-            podgate_dot_runtime_dot_cri_dot_api__pb2.ListContainersResponse.FromString,
+            podgate_dot_cri_dot_api__pb2.ListContainersRequest.SerializeToString,
+            podgate_dot_cri_dot_api__pb2.ListContainersResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -656,8 +656,8 @@ class RuntimeService:
             request,
             target,
             '/runtime.v1.RuntimeService/ContainerStatus',
-            podgate_dot_runtime_dot_cri_dot_api__pb2.ContainerStatusRequest.SerializeToString,
-            podgate_dot_runtime_dot_cri_dot_api__pb2.ContainerStatusResponse.FromString,
+            podgate_dot_cri_dot_api__pb2.ContainerStatusRequest.SerializeToString,
+            podgate_dot_cri_dot_api__pb2.ContainerStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -683,8 +683,8 @@ class RuntimeService:
             request,
             target,
             '/runtime.v1.RuntimeService/ExecSync',
-            podgate_dot_runtime_dot_cri_dot_api__pb2.ExecSyncRequest.SerializeToString,
-            podgate_dot_runtime_dot_cri_dot_api__pb2.ExecSyncResponse.FromString,
+            podgate_dot_cri_dot_api__pb2.ExecSyncRequest.SerializeToString,
+            podgate_dot_cri_dot_api__pb2.ExecSyncResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -710,8 +710,8 @@ class RuntimeService:
             request,
             target,
             '/runtime.v1.RuntimeService/Exec',
-            podgate_dot_runtime_dot_cri_dot_api__pb2.ExecRequest.SerializeToString,
-            podgate_dot_runtime_dot_cri_dot_api__pb2.ExecResponse.FromString,
+            podgate_dot_cri_dot_api__pb2.ExecRequest.SerializeToString,
+            podgate_dot_cri_dot_api__pb2.ExecResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -737,8 +737,8 @@ class RuntimeService:
             request,
             target,
             '/runtime.v1.RuntimeService/Attach',
-            podgate_dot_runtime_dot_cri_dot_api__pb2.AttachRequest.SerializeToString,
-            podgate_dot_runtime_dot_cri_dot_api__pb2.AttachResponse.FromString,
+            podgate_dot_cri_dot_api__pb2.AttachRequest.SerializeToString,
+            podgate_dot_cri_dot_api__pb2.AttachResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -764,8 +764,8 @@ class RuntimeService:
             request,
             target,
             '/runtime.v1.RuntimeService/PortForward',
-            podgate_dot_runtime_dot_cri_dot_api__pb2.PortForwardRequest.SerializeToString,
-            podgate_dot_runtime_dot_cri_dot_api__pb2.PortForwardResponse.FromString,
+            podgate_dot_cri_dot_api__pb2.PortForwardRequest.SerializeToString,
+            podgate_dot_cri_dot_api__pb2.PortForwardResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -791,8 +791,8 @@ class RuntimeService:
             request,
             target,
             '/runtime.v1.RuntimeService/UpdateRuntimeConfig',
-            podgate_dot_runtime_dot_cri_dot_api__pb2.UpdateRuntimeConfigRequest.SerializeToString,
-            podgate_dot_runtime_dot_cri_dot_api__pb2.UpdateRuntimeConfigResponse.FromString,
+            podgate_dot_cri_dot_api__pb2.UpdateRuntimeConfigRequest.SerializeToString,
+            podgate_dot_cri_dot_api__pb2.UpdateRuntimeConfigResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -818,8 +818,8 @@ class RuntimeService:
             request,
             target,
             '/runtime.v1.RuntimeService/Status',
-            podgate_dot_runtime_dot_cri_dot_api__pb2.StatusRequest.SerializeToString,
-            podgate_dot_runtime_dot_cri_dot_api__pb2.StatusResponse.FromString,
+            podgate_dot_cri_dot_api__pb2.StatusRequest.SerializeToString,
+            podgate_dot_cri_dot_api__pb2.StatusResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -843,28 +843,28 @@ class ImageServiceStub:
         """
         self.ListImages = channel.unary_unary(
                 '/runtime.v1.ImageService/ListImages',
-                request_serializer=podgate_dot_runtime_dot_cri_dot_api__pb2.ListImagesRequest.SerializeToString,
-                response_deserializer=podgate_dot_runtime_dot_cri_dot_api__pb2.ListImagesResponse.FromString,
+                request_serializer=podgate_dot_cri_dot_api__pb2.ListImagesRequest.SerializeToString,
+                response_deserializer=podgate_dot_cri_dot_api__pb2.ListImagesResponse.FromString,
                 _registered_method=True)
         self.ImageStatus = channel.unary_unary(
                 '/runtime.v1.ImageService/ImageStatus',
-                request_serializer=podgate_dot_runtime_dot_cri_dot_api__pb2.ImageStatusRequest.SerializeToString,
-                response_deserializer=podgate_dot_runtime_dot_cri_dot_api__pb2.ImageStatusResponse.FromString,
+                request_serializer=podgate_dot_cri_dot_api__pb2.ImageStatusRequest.SerializeToString,
+                response_deserializer=podgate_dot_cri_dot_api__pb2.ImageStatusResponse.FromString,
                 _registered_method=True)
         self.PullImage = channel.unary_unary(
                 '/runtime.v1.ImageService/PullImage',
-                request_serializer=podgate_dot_runtime_dot_cri_dot_api__pb2.PullImageRequest.SerializeToString,
-                response_deserializer=podgate_dot_runtime_dot_cri_dot_api__pb2.PullImageResponse.FromString,
+                request_serializer=podgate_dot_cri_dot_api__pb2.PullImageRequest.SerializeToString,
+                response_deserializer=podgate_dot_cri_dot_api__pb2.PullImageResponse.FromString,
                 _registered_method=True)
         self.RemoveImage = channel.unary_unary(
                 '/runtime.v1.ImageService/RemoveImage',
-                request_serializer=podgate_dot_runtime_dot_cri_dot_api__pb2.RemoveImageRequest.SerializeToString,
-                response_deserializer=podgate_dot_runtime_dot_cri_dot_api__pb2.RemoveImageResponse.FromString,
+                request_serializer=podgate_dot_cri_dot_api__pb2.RemoveImageRequest.SerializeToString,
+                response_deserializer=podgate_dot_cri_dot_api__pb2.RemoveImageResponse.FromString,
                 _registered_method=True)
         self.ImageFsInfo = channel.unary_unary(
                 '/runtime.v1.ImageService/ImageFsInfo',
-                request_serializer=podgate_dot_runtime_dot_cri_dot_api__pb2.ImageFsInfoRequest.SerializeToString,
-                response_deserializer=podgate_dot_runtime_dot_cri_dot_api__pb2.ImageFsInfoResponse.FromString,
+                request_serializer=podgate_dot_cri_dot_api__pb2.ImageFsInfoRequest.SerializeToString,
+                response_deserializer=podgate_dot_cri_dot_api__pb2.ImageFsInfoResponse.FromString,
                 _registered_method=True)
 
 
@@ -907,28 +907,28 @@ def add_ImageServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'ListImages': grpc.unary_unary_rpc_method_handler(
                     servicer.ListImages,
-                    request_deserializer=podgate_dot_runtime_dot_cri_dot_api__pb2.ListImagesRequest.FromString,
-                    response_serializer=podgate_dot_runtime_dot_cri_dot_api__pb2.ListImagesResponse.SerializeToString,
+                    request_deserializer=podgate_dot_cri_dot_api__pb2.ListImagesRequest.FromString,
+                    response_serializer=podgate_dot_cri_dot_api__pb2.ListImagesResponse.SerializeToString,
             ),
             'ImageStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.ImageStatus,
-                    request_deserializer=podgate_dot_runtime_dot_cri_dot_api__pb2.ImageStatusRequest.FromString,
-                    response_serializer=podgate_dot_runtime_dot_cri_dot_api__pb2.ImageStatusResponse.SerializeToString,
+                    request_deserializer=podgate_dot_cri_dot_api__pb2.ImageStatusRequest.FromString,
+                    response_serializer=podgate_dot_cri_dot_api__pb2.ImageStatusResponse.SerializeToString,
             ),
             'PullImage': grpc.unary_unary_rpc_method_handler(
                     servicer.PullImage,
-                    request_deserializer=podgate_dot_runtime_dot_cri_dot_api__pb2.PullImageRequest.FromString,
-                    response_serializer=podgate_dot_runtime_dot_cri_dot_api__pb2.PullImageResponse.SerializeToString,
+                    request_deserializer=podgate_dot_cri_dot_api__pb2.PullImageRequest.FromString,
+                    response_serializer=podgate_dot_cri_dot_api__pb2.PullImageResponse.SerializeToString,
             ),
             'RemoveImage': grpc.unary_unary_rpc_method_handler(
                     servicer.RemoveImage,
-                    request_deserializer=podgate_dot_runtime_dot_cri_dot_api__pb2.RemoveImageRequest.FromString,
-                    response_serializer=podgate_dot_runtime_dot_cri_dot_api__pb2.RemoveImageResponse.SerializeToString,
+                    request_deserializer=podgate_dot_cri_dot_api__pb2.RemoveImageRequest.FromString,
+                    response_serializer=podgate_dot_cri_dot_api__pb2.RemoveImageResponse.SerializeToString,
             ),
             'ImageFsInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.ImageFsInfo,
-                    request_deserializer=podgate_dot_runtime_dot_cri_dot_api__pb2.ImageFsInfoRequest.FromString,
-                    response_serializer=podgate_dot_runtime_dot_cri_dot_api__pb2.ImageFsInfoResponse.SerializeToString,
+                    request_deserializer=podgate_dot_cri_dot_api__pb2.ImageFsInfoRequest.FromString,
+                    response_serializer=podgate_dot_cri_dot_api__pb2.ImageFsInfoResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -957,8 +957,8 @@ class ImageService:
             request,
             target,
             '/runtime.v1.ImageService/ListImages',
-            podgate_dot_runtime_dot_cri_dot_api__pb2.ListImagesRequest.SerializeToString,
-            podgate_dot_runtime_dot_cri_dot_api__pb2.ListImagesResponse.FromString,
+            podgate_dot_cri_dot_api__pb2.ListImagesRequest.SerializeToString,
+            podgate_dot_cri_dot_api__pb2.ListImagesResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -984,8 +984,8 @@ class ImageService:
             request,
             target,
             '/runtime.v1.ImageService/ImageStatus',
-            podgate_dot_runtime_dot_cri_dot_api__pb2.ImageStatusRequest.SerializeToString,
-            podgate_dot_runtime_dot_cri_dot_api__pb2.ImageStatusResponse.FromString,
+            podgate_dot_cri_dot_api__pb2.ImageStatusRequest.SerializeToString,
+            podgate_dot_cri_dot_api__pb2.ImageStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1011,8 +1011,8 @@ class ImageService:
             request,
             target,
             '/runtime.v1.ImageService/PullImage',
-            podgate_dot_runtime_dot_cri_dot_api__pb2.PullImageRequest.SerializeToString,
-            podgate_dot_runtime_dot_cri_dot_api__pb2.PullImageResponse.FromString,
+            podgate_dot_cri_dot_api__pb2.PullImageRequest.SerializeToString,
+            podgate_dot_cri_dot_api__pb2.PullImageResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1038,8 +1038,8 @@ class ImageService:
             request,
             target,
             '/runtime.v1.ImageService/RemoveImage',
-            podgate_dot_runtime_dot_cri_dot_api__pb2.RemoveImageRequest.SerializeToString,
-            podgate_dot_runtime_dot_cri_dot_api__pb2.RemoveImageResponse.FromString,
+            podgate_dot_cri_dot_api__pb2.RemoveImageRequest.SerializeToString,
+            podgate_dot_cri_dot_api__pb2.RemoveImageResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1065,8 +1065,8 @@ class ImageService:
             request,
             target,
             '/runtime.v1.ImageService/ImageFsInfo',
-            podgate_dot_runtime_dot_cri_dot_api__pb2.ImageFsInfoRequest.SerializeToString,
-            podgate_dot_runtime_dot_cri_dot_api__pb2.ImageFsInfoResponse.FromString,
+            podgate_dot_cri_dot_api__pb2.ImageFsInfoRequest.SerializeToString,
+            podgate_dot_cri_dot_api__pb2.ImageFsInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -4,30 +4,46 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
-DEBS := socat iproute2 procps util-linux containerd runc busybox-static containernetworking-plugins dnsmasq-base iptables
+# What podgate itself runs with (`make run`): namespaces, veths, CNI plugins, the OCI runtime,
+# busybox for the sample images.
+DEBS_RUN := iproute2 procps util-linux runc busybox-static containernetworking-plugins iptables
+# What only the tests and benchmarks need: peers to compare with and to test against.
+DEBS_TEST := socat containerd dnsmasq-base
 PYTEST_ARGS ?=
 STATE_DIR ?= /var/lib/podgate
+# The test environment is pinned: a green run is reproducible.
+CONSTRAINTS := constraints.txt
 
-.PHONY: run test bench lint typecheck unit deps clean
+.PHONY: run test bench lint typecheck unit deps deps-run clean
 
-deps: $(STAMP)
-
-$(STAMP): pyproject.toml
-	@missing=""; for p in $(DEBS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+define install_debs
+	@missing=""; for p in $(1); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ]; then echo "installing Debian packages:$$missing"; \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 	  else echo "warning: missing Debian packages:$$missing (run as root to install)"; fi; \
 	fi
+endef
+
+$(VENV)/.run: pyproject.toml
+	$(call install_debs,$(DEBS_RUN))
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
-	@touch $(STAMP)
+	$(PY) -m pip install -q -e .
+	@touch $@
+
+$(VENV)/.test: pyproject.toml $(CONSTRAINTS) $(VENV)/.run
+	$(call install_debs,$(DEBS_RUN) $(DEBS_TEST))
+	$(PY) -m pip install -q -c $(CONSTRAINTS) -e '.[test]'
+	@touch $@
+
+deps-run: $(VENV)/.run
+deps: $(VENV)/.test
 
 lint: deps
 	$(VENV)/bin/ruff check src tests $(wildcard bench)
 	$(VENV)/bin/ruff format --check src tests $(wildcard bench)
+	$(VENV)/bin/lint-imports --config pyproject.toml
 
 typecheck: deps
 	$(VENV)/bin/mypy src
@@ -37,7 +53,7 @@ unit: deps
 
 test: lint typecheck unit
 
-run: deps
+run: deps-run
 	$(VENV)/bin/podgate up --state-dir $(STATE_DIR)
 
 bench: deps

@@ -24,6 +24,7 @@ from rich.console import Console
 from bench import forward as bench_forward
 from bench import gateway as bench_gateway
 from bench import runtime as bench_runtime
+from bench import startup as bench_startup
 from bench.common import LOOP_CHOICES, format_size, parse_size
 from bench.portforward import DIRECTIONS, PATH_NAMES, Options, run_all
 from bench.procs import ChildError
@@ -164,6 +165,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         f"{bench_forward.UDP_DATAGRAMS} at --size 1G, proportionally fewer for smaller sizes)",
     )
     parser.add_argument(
+        "--startup-runs",
+        type=int,
+        default=bench_startup.RUNS,
+        help=f"runs of the command start-up timings, 0 skips (default {bench_startup.RUNS})",
+    )
+    parser.add_argument(
         "--json",
         type=Path,
         default=RESULTS_DIR / "latest.json",
@@ -230,7 +237,10 @@ def main(argv: list[str] | None = None) -> int:
         args.forward if args.forward is not None else os.geteuid() == 0 and not args.skip_kubectl
     )
     forward = None
+    startup = None
     try:
+        if args.startup_runs > 0:
+            startup = bench_startup.run_startup(args.startup_runs, progress)
         results = run_all(options, progress=progress)
         if with_runtime and options.throughput:
             runtime = bench_runtime.run_runtime(options, args.runtime_paths, progress)
@@ -255,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         data["gateway"] = gateway
     if forward is not None:
         data["forward"] = forward
+    if startup is not None:
+        data["startup"] = startup
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(data, indent=1) + "\n")
     md_path = args.markdown or args.json.with_suffix(".md")
@@ -263,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         + ("\n" + bench_runtime.markdown(runtime) if runtime is not None else "")
         + ("\n" + bench_gateway.markdown(gateway) if gateway is not None else "")
         + ("\n" + bench_forward.markdown(forward) if forward is not None else "")
+        + ("\n" + bench_startup.markdown(startup) if startup is not None else "")
     )
     print_report(data, console)
     if runtime is not None:
@@ -271,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         bench_gateway.print_report(gateway, console)
     if forward is not None:
         bench_forward.print_report(forward, console)
+    if startup is not None:
+        bench_startup.print_report(startup, console)
     console.print(f"results: {args.json} and {md_path}")
     failed = [s for s in data["summary"]["throughput"] + data["summary"]["conns"] if s["errors"]]
     if gateway is not None and bench_gateway.failed(gateway):

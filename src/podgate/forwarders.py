@@ -68,3 +68,8 @@ def forwarder_argv(tool: str, port: int, *, half_close_grace: float) -> list[str
     if name == "python3":
         return ["python3", "-c", PYTHON_FORWARDER, str(port)]
     raise ValueError(f"unknown forwarder {tool!r}")
+
+
+def localhost_refused_message(port: int, ipv4: str, ipv6: str) -> str:
+    """containerd's netns dial error (trailing space included), said of the sandbox."""
+    return f"failed to connect to localhost:{port} inside the sandbox, IPv4: {ipv4} IPv6 {ipv6} "

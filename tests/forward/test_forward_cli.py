@@ -255,10 +255,14 @@ def test_exec_missing_pod_is_a_clear_error(demo: RunningServers) -> None:
 
 def test_exec_tty_sees_the_window_size_and_resizes(demo: RunningServers) -> None:
     # The shell waits (5 s at most) for the pty to have a size, prints it, then waits for a
-    # line; meanwhile the terminal is resized (SIGWINCH) and the new size must arrive.
+    # line; meanwhile the terminal is resized (SIGWINCH) and the new size must arrive. The
+    # resize and the line travel on different streams, so the shell waits (5 s at most) for
+    # the size to change after the line rather than racing them.
     script = (
         "i=0; while [ \"$(stty size)\" = '0 0' ] && [ $i -lt 100 ]; do sleep 0.05; i=$((i+1));"
-        " done; stty size; read line; stty size; exit 4"
+        " done; first=$(stty size); echo $first; read line;"
+        " i=0; while [ \"$(stty size)\" = \"$first\" ] && [ $i -lt 100 ]; do sleep 0.05;"
+        " i=$((i+1)); done; stty size; exit 4"
     )
     argv = [sys.executable, "-m", "podgate", "exec", "--kubeconfig", demo.kubeconfig]
     argv += ["-i", "-t", "demo", "--", "sh", "-c", script]

@@ -136,7 +136,8 @@ async def test_idle_stream_is_closed(tmp_path: object, echo_port: int) -> None:
             while await asyncio.wait_for(forwarded.data.receive(), 10):
                 pass
             raise AssertionError("EOF without the idle reset")
-        assert time.monotonic() - started < 5
+        # Well before the 10 s receive timeout: the idle timeout did it.
+        assert time.monotonic() - started < 9
         await session.aclose()
 
 

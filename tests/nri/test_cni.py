@@ -334,7 +334,7 @@ async def test_timeout_kills_the_plugin(tmp_path: Path, fake_dir: Path) -> None:
     started = time.monotonic()
     with pytest.raises(CniError) as info:
         await cni.add(CONTAINER, "/run/netns/x")
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < 30  # the 1 s timeout, not the plugin's hang
     assert (info.value.code, info.value.msg) == (0, "no answer within 1 s")
     pid = calls(log)[0]["pid"]
     with pytest.raises(ProcessLookupError):

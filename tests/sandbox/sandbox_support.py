@@ -42,6 +42,7 @@ from podgate.cri import api_pb2 as pb
 from podgate.cri import api_pb2_grpc as pb_grpc
 from podgate.linux.proc import signal_process
 from podgate.model import ProcessRef
+from podgate.runtime.store import Store
 from podgate.shimapi import shim_pb2
 from podgate.streaming.client import ForwardedStream, PortForwardSession
 
@@ -146,7 +147,7 @@ async def pod_info(rt: pb_grpc.RuntimeServiceStub, pod: Pod) -> dict[str, Any]:
 
 
 def run_dir(daemon: RuntimeDaemon, pod: Pod) -> Path:
-    return daemon.state_dir / "run" / pod.id
+    return Store(daemon.state_dir).run_path(pod.id)
 
 
 async def shim_stats(daemon: RuntimeDaemon, pod: Pod) -> shim_pb2.StatsResponse:

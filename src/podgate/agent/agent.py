@@ -54,7 +54,9 @@ from podgate.aio.datagram import DatagramStream, connected_udp_socket
 from podgate.aio.errors import StreamError
 from podgate.aio.splice import splice
 from podgate.aio.streams import ByteStream, SocketStream
+from podgate.aio.tasks import TaskSet
 from podgate.aio.ttrpc import RequestContext, TtrpcServer
+from podgate.forwarders import localhost_refused_message
 from podgate.linux import vsock
 from podgate.linux.vsock import Address, Scheme
 from podgate.proto.ttrpc import Code, TtrpcError
@@ -69,7 +71,6 @@ __all__ = [
     "Agent",
     "ForwardRecord",
     "dial_localhost",
-    "localhost_refused_message",
     "serve",
 ]
 
@@ -98,11 +99,6 @@ def _go_strerror(err: int) -> str:
     # Go spells errno texts in lower case ("connection refused").
     text = os.strerror(err)
     return text[:1].lower() + text[1:]
-
-
-def localhost_refused_message(port: int, ipv4: str, ipv6: str) -> str:
-    """containerd's netns dial error (trailing space included), said of the sandbox."""
-    return f"failed to connect to localhost:{port} inside the sandbox, IPv4: {ipv4} IPv6 {ipv6} "
 
 
 async def dial_localhost(port: int) -> socket.socket:
@@ -147,6 +143,10 @@ class ForwardRecord:
     to_target: int = 0
     to_host: int = 0
 
+    def fields(self) -> dict[str, object]:
+        """Its ids as log fields (`extra=`): JSON keys, or key=value pairs in text."""
+        return {"container": self.container_id, "port": self.port, "vsock_port": self.vsock_port}
+
 
 class Agent:
     """The agent's services; `register()` them on a TtrpcServer."""
@@ -160,7 +160,7 @@ class Agent:
             )
         self.host = host
         self.dial_back_timeout = dial_back_timeout
-        self._forwards: set[asyncio.Task[None]] = set()
+        self._forwards = TaskSet("agent forwards", log)
 
     def register(self, server: TtrpcServer) -> None:
         server.register(SERVICE, {"PortForward": self.port_forward, "Health": self.health})
@@ -215,19 +215,11 @@ class Agent:
         except BaseException:
             await target.aclose()
             raise
-        task = loop.create_task(
+        self._forwards.spawn(
             self._forward(record, back, target),
             name=f"forward {record.container_id}:{record.port} vsock {record.vsock_port}",
         )
-        self._forwards.add(task)
-        task.add_done_callback(self._forwards.discard)
-        log.info(
-            "port-forward start container=%s port=%d vsock_port=%d protocol=%s",
-            record.container_id,
-            record.port,
-            record.vsock_port,
-            record.protocol,
-        )
+        log.info("port-forward start", extra={**record.fields(), "protocol": record.protocol})
         if protocol == "tcp":
             return b""  # PortForwardResponse{} encodes to nothing, as before the extension
         return bytes(PortForwardResponse(protocol=protocol).SerializeToString())
@@ -248,33 +240,24 @@ class Agent:
                 "port-forward container=%s port=%d failed", record.container_id, record.port
             )
         finally:
-            log.info(
-                "port-forward end container=%s port=%d vsock_port=%d to_target=%d to_host=%d "
-                "duration=%.3fs protocol=%s%s",
-                record.container_id,
-                record.port,
-                record.vsock_port,
-                record.to_target,
-                record.to_host,
-                loop.time() - record.started,
-                record.protocol,
-                f" error={error}" if error is not None else "",
-            )
+            fields = {
+                **record.fields(),
+                "to_target": record.to_target,
+                "to_host": record.to_host,
+                "duration": f"{loop.time() - record.started:.3f}s",
+                "protocol": record.protocol,
+            }
+            if error is not None:
+                fields["error"] = str(error)
+            log.info("port-forward end", extra=fields)
 
     async def idle(self) -> None:
         """Wait until no forward is running."""
-        while self._forwards:
-            await asyncio.wait(list(self._forwards))
+        await self._forwards.join()
 
     async def aclose(self, grace: float = 0.0) -> None:
         """Let forwards in progress finish for `grace` seconds, then cut the rest."""
-        if self._forwards and grace > 0:
-            await asyncio.wait(list(self._forwards), timeout=grace)
-        tasks = list(self._forwards)
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.wait(tasks)
+        await self._forwards.aclose(grace)
 
 
 def _udp_localhost(port: int) -> DatagramStream:

@@ -24,8 +24,8 @@ import sys
 import threading
 from typing import Final, TextIO
 
-from podgate.agent.agent import localhost_refused_message
 from podgate.aio.splice import HALF_CLOSE_GRACE_SECONDS
+from podgate.forwarders import localhost_refused_message
 
 __all__ = ["COPY_CHUNK_BYTES", "copy_fd", "dial_localhost_blocking", "run_forward"]
 

@@ -134,7 +134,10 @@ class ProcessStream(ByteStream):
         self._label = label
         self._prefix = prefix  # "error forwarding port P to pod ID, uid UID: "
         self._stderr = bytearray()
-        self._stderr_task = asyncio.create_task(self._read_stderr(process.stderr))
+        # Owned by this stream: awaited (or cut) in aclose.
+        self._stderr_task = asyncio.create_task(
+            self._read_stderr(process.stderr), name=f"{label} stderr"
+        )
         self._closed = False
 
     async def _read_stderr(self, stream: asyncio.StreamReader) -> None:
@@ -185,5 +188,7 @@ class ProcessStream(ByteStream):
         except TimeoutError:
             _kill_group(self._process)
             await self._process.wait()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._stderr_task
+        # stderr ends with the process unless a child of it holds the pipe: then cut it.
+        await asyncio.wait({self._stderr_task}, timeout=EXIT_WAIT_SECONDS)
+        self._stderr_task.cancel()
+        await asyncio.wait({self._stderr_task})

@@ -1,30 +1,30 @@
-"""The `podgate` command."""
+"""The `podgate` command (sub-commands load on first use: see cli/lazy.py)."""
 
 from __future__ import annotations
 
 import click
 
 from podgate import __version__
-from podgate.cli.agent import agent
-from podgate.cli.demo import demo
-from podgate.cli.exec import attach_command, exec_command
-from podgate.cli.node import node
-from podgate.cli.portforward import port_forward
-from podgate.cli.runtime import runtime
-from podgate.cli.up import up
+from podgate.cli.lazy import LazyGroup
+
+# name -> (module, attribute, one-line help shown by `podgate --help`).
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "up": ("podgate.cli.up", "up", "Run the runtime, the node gateway and the sample pods."),
+    "runtime": ("podgate.cli.runtime", "runtime", "Run podgate's CRI runtime."),
+    "node": ("podgate.cli.node", "node", "Run the node gateway in front of a CRI runtime."),
+    "port-forward": (
+        "podgate.cli.portforward",
+        "port_forward",
+        "Forward local ports to a pod; survives errors.",
+    ),
+    "exec": ("podgate.cli.exec", "exec_command", "Run a command in a container."),
+    "attach": ("podgate.cli.exec", "attach_command", "Attach to a running container."),
+    "agent": ("podgate.cli.agent", "agent", "The in-sandbox agent and one-shot forwarder."),
+    "demo": ("podgate.cli.demo", "demo", "Serve an in-memory demo pod API (no runtime)."),
+}
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=LazyGroup, lazy=COMMANDS, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="podgate")
 def main() -> None:
     """podgate: Kubernetes exec, attach and port-forward that work for every pod sandbox."""
-
-
-main.add_command(agent)
-main.add_command(attach_command)
-main.add_command(demo)
-main.add_command(exec_command)
-main.add_command(node)
-main.add_command(port_forward)
-main.add_command(runtime)
-main.add_command(up)

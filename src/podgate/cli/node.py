@@ -8,13 +8,14 @@ from typing import Any
 
 import click
 
-from podgate.aio.loop import run
+from podgate.aio.loop import run, wait_for_signal
+from podgate.cli.errors import listen_failure
 from podgate.cli.logs import setup_logging
 from podgate.node.cri_client import CriClient, CriPodSource
 from podgate.node.gateway import GatewayConfig, Limits
 from podgate.node.server import InsecureListenError, running_gateway
 from podgate.node.upstream import CriTarget
-from podgate.runtime.daemon import DEFAULT_STATE_DIR, wait_for_signal
+from podgate.runtime.daemon import DEFAULT_STATE_DIR
 
 
 def gateway_options(f: click.decorators.FC) -> click.decorators.FC:
@@ -155,6 +156,11 @@ def node(
         run(_node(config, via_exec=portforward_via == "exec"))
     except InsecureListenError as exc:
         raise click.UsageError(str(exc)) from exc
+    except OSError as exc:
+        failure = listen_failure(exc, config.host, config.port)
+        if failure is None:
+            raise
+        raise failure from None
 
 
 async def _node(config: GatewayConfig, *, via_exec: bool = False) -> None:
@@ -170,7 +176,8 @@ async def _node(config: GatewayConfig, *, via_exec: bool = False) -> None:
                 f"{gateway.credentials.kubeconfig if gateway.credentials else '-'}",
                 flush=True,
             )
-            await wait_for_signal()
+            sig = await wait_for_signal()
+            print(f"podgate node: signal {sig}, stopping", flush=True)
     finally:
         await target.aclose()
         await client.close()

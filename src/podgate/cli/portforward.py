@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import signal
 import sys
@@ -15,6 +14,7 @@ from rich.console import Console
 from rich.live import Live
 
 from podgate.aio.loop import run
+from podgate.aio.tasks import cancel_and_wait
 from podgate.cli.logs import setup_logging
 from podgate.forward.engine import (
     EXIT_CODE_HELP,
@@ -253,16 +253,11 @@ async def _forward(
                 running.pop(task)
                 codes.append(task.result())
     finally:
-        stopper.cancel()
-        for task in running:
-            task.cancel()
-        await asyncio.gather(stopper, *running, return_exceptions=True)
+        await cancel_and_wait(stopper, *running)
         for forward in running.values():
             forward.report_stopped()
         if display is not None:
-            display.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await display
+            await cancel_and_wait(display)
         if live is not None:
             live.update(status_table(status), refresh=True)
             live.stop()

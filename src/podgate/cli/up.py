@@ -11,8 +11,9 @@ from typing import Any
 import click
 
 import podgate
-from podgate.aio.loop import run
+from podgate.aio.loop import run, wait_for_signal
 from podgate.cli.demo import write_kubeconfig
+from podgate.cli.errors import listen_failure
 from podgate.cli.logs import setup_logging
 from podgate.cli.nri import nri_config, nri_options
 from podgate.demo.samples import ensure_example, load_example
@@ -20,7 +21,8 @@ from podgate.node.cri_client import CriClient, CriPodSource
 from podgate.node.gateway import GatewayConfig
 from podgate.node.server import running_gateway
 from podgate.node.upstream import CriTarget
-from podgate.runtime.daemon import RuntimeConfig, running_runtime, wait_for_signal
+from podgate.runtime.daemon import RuntimeConfig, running_runtime
+from podgate.runtime.store import state_socket
 
 log = logging.getLogger(__name__)
 
@@ -85,10 +87,16 @@ def up(
                 raise click.ClickException(str(exc)) from exc
     config = RuntimeConfig(
         state_dir=state_dir,
-        nri=nri_config(**nri, default_socket=str(Path(state_dir) / "nri.sock")),
+        nri=nri_config(**nri, default_socket=state_socket(state_dir, "nri.sock")),
         nri_network=nri["network"] == "nri",
     )
-    run(_up(config, port, plain_http, samples, keep_pods))
+    try:
+        run(_up(config, port, plain_http, samples, keep_pods))
+    except OSError as exc:
+        failure = listen_failure(exc, "127.0.0.1", port)
+        if failure is None:
+            raise
+        raise failure from None
 
 
 async def _up(
@@ -99,8 +107,8 @@ async def _up(
     keep: bool,
 ) -> None:
     state_dir = config.state_dir
+    pod_ids: list[str] = []
     async with running_runtime(config) as running:
-        pod_ids = [await ensure_example(running.runtime, s) for s in samples]
         client = CriClient(running.cri_socket)
         target = CriTarget(client)
         source = CriPodSource(client, target, node=os.uname().nodename)
@@ -109,7 +117,10 @@ async def _up(
             state_dir=node_dir, cri_socket=running.cri_socket, port=port, plain_http=plain_http
         )
         try:
+            # The gateway binds first: a busy port fails before any pod starts.
             async with running_gateway(gateway_config, source) as gateway:
+                for sample in samples:
+                    pod_ids.append(await ensure_example(running.runtime, sample))
                 if gateway.credentials is not None:
                     kubeconfig = str(gateway.credentials.kubeconfig)
                 else:
@@ -125,15 +136,24 @@ async def _up(
                     f"  export KUBECONFIG={kubeconfig}\n"
                     "  kubectl get pods -o wide\n"
                     "  kubectl exec hello -- hostname\n"
-                    "  kubectl logs hello\n"
+                    "  kubectl logs -f hello\n"
                     "  kubectl port-forward pod/hello 8080:8080 &  curl -s 127.0.0.1:8080\n"
-                    "  kubectl attach -it shell\n",
+                    "  kubectl attach -it shell   (exit ends the shell; to leave it running,\n"
+                    "                              stop kubectl from another terminal)\n",
                     flush=True,
                 )
-                await wait_for_signal()
+                sig = await wait_for_signal()
+                _progress(f"signal {sig}: stopping the gateway")
         finally:
             await target.aclose()
             await client.close()
-            if not keep:
+            if pod_ids and not keep:
+                _progress(f"removing {len(pod_ids)} sample pods")
                 for pod_id in pod_ids:
                     await asyncio.shield(running.runtime.remove_pod(pod_id))
+        _progress("stopping the runtime")
+    _progress("stopped")
+
+
+def _progress(line: str) -> None:
+    print(f"podgate: {line}", flush=True)

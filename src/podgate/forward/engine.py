@@ -40,6 +40,7 @@ from podgate.aio.streams import (
     SocketStream,
     start_server,
 )
+from podgate.aio.tasks import cancel_and_wait
 from podgate.forward.pods import PodLookupError, get_pod
 from podgate.forward.specs import PortSpec, Protocol, TargetSpec
 from podgate.forward.status import EventKind, ForwardEvent, ForwardStatus
@@ -534,9 +535,7 @@ class TargetForward:
             done, _ = await asyncio.wait(watchers, return_when=asyncio.FIRST_COMPLETED)
             return next(iter(done)).result()
         finally:
-            for task in watchers:
-                task.cancel()
-            await asyncio.gather(*watchers, return_exceptions=True)
+            await cancel_and_wait(*watchers)
 
     async def _watch_reader(self, live: _Session) -> tuple[EventKind, str]:
         spdy = live.session.session
@@ -650,24 +649,22 @@ class TargetForward:
         except (StreamError, ProtocolError) as exc:
             self._check_pod_now.set()
             return f"cannot open a stream on the session: {exc}"
-        error_text = asyncio.create_task(_read_error(forwarded.error_stream))
-        copying = asyncio.create_task(splice(local, forwarded.data))
-        lost = asyncio.create_task(live.lost.wait())
+        # Helpers of this connection: all cancelled and awaited before it returns.
+        error_text = asyncio.create_task(_read_error(forwarded.error_stream), name="error text")
+        copying = asyncio.create_task(splice(local, forwarded.data), name="copy")
+        lost = asyncio.create_task(live.lost.wait(), name="session lost")
         try:
             await asyncio.wait({copying, lost}, return_when=asyncio.FIRST_COMPLETED)
             if not copying.done():
                 # The session is gone: its streams will never finish. Cut the connection.
-                copying.cancel()
-                await asyncio.gather(copying, return_exceptions=True)
+                await cancel_and_wait(copying)
                 return f"session lost: {live.reason}"
             result = copying.result()
             text = ""
             with contextlib.suppress(TimeoutError, StreamError):
                 text = await asyncio.wait_for(asyncio.shield(error_text), ERROR_TEXT_WAIT_SECONDS)
         finally:
-            for task in (copying, lost, error_text):
-                task.cancel()
-            await asyncio.gather(copying, lost, error_text, return_exceptions=True)
+            await cancel_and_wait(copying, lost, error_text)
             await forwarded.error_stream.aclose()
         if text:
             self._check_pod_now.set()  # the pod may be gone or replaced: look now
@@ -685,10 +682,7 @@ class TargetForward:
 
     async def _shutdown(self) -> None:
         await self._close_servers()
-        for task in list(self._connections):
-            task.cancel()
-        if self._connections:
-            await asyncio.gather(*self._connections, return_exceptions=True)
+        await cancel_and_wait(*self._connections)
         self._current = None
         for live in list(self._open_sessions):
             live.mark_lost("stopped")

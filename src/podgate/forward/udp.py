@@ -33,6 +33,7 @@ from typing import Any, Final, Protocol
 
 from podgate.aio.errors import StreamError
 from podgate.aio.streams import ByteStream
+from podgate.aio.tasks import TaskSet, cancel_and_wait
 from podgate.proto.datagram import DatagramDecoder, TruncatedDatagramError, encode_datagram
 
 __all__ = [
@@ -192,7 +193,7 @@ class UdpRelay:
         self.name = name
         self.stats = UdpRelayStats()
         self._flows: dict[Address, _Flow] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = TaskSet("udp flows", log)
         self._transport: asyncio.DatagramTransport | None = None
         self._socket: _LocalSocket | None = None
         self._sweeper: asyncio.Task[None] | None = None
@@ -233,15 +234,9 @@ class UdpRelay:
             self._transport.close()
         for flow in list(self._flows.values()):
             self._close_flow(flow)
-        tasks = list(self._tasks)
-        if tasks:
-            _, pending = await asyncio.wait(tasks, timeout=CLOSE_WAIT_SECONDS + ERROR_WAIT_SECONDS)
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        await self._tasks.aclose(CLOSE_WAIT_SECONDS + ERROR_WAIT_SECONDS)
         if self._sweeper is not None:
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
+            await cancel_and_wait(self._sweeper)
 
     async def __aenter__(self) -> UdpRelay:
         await self.start()
@@ -267,6 +262,8 @@ class UdpRelay:
         flow.wakeup.set()
 
     def _new_flow(self, addr: Address) -> _Flow | None:
+        if self._closed:
+            return None  # a datagram that arrived while closing
         label = format_peer(addr)
         if len(self._flows) >= self.max_peers:
             self.stats.dropped += 1
@@ -287,9 +284,7 @@ class UdpRelay:
         flow = _Flow(addr, label, loop.time())
         self._flows[addr] = flow
         self.stats.peers = len(self._flows)
-        flow.task = loop.create_task(self._run_flow(flow), name=f"{self.name} {label}")
-        self._tasks.add(flow.task)
-        flow.task.add_done_callback(self._tasks.discard)
+        flow.task = self._tasks.spawn(self._run_flow(flow), name=f"{self.name} {label}")
         return flow
 
     def _to_peer(self, flow: _Flow, datagram: bytes) -> None:
@@ -347,9 +342,7 @@ class UdpRelay:
             if not reader.done():
                 problem = problem or "the pod side did not end the flow"
         finally:
-            for task in (reader, writer):
-                task.cancel()
-            await asyncio.gather(reader, writer, return_exceptions=True)
+            await cancel_and_wait(reader, writer)
             text = ""
             with contextlib.suppress(TimeoutError, StreamError):
                 text = await asyncio.wait_for(channel.error(), ERROR_WAIT_SECONDS)

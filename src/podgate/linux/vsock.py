@@ -37,6 +37,7 @@ from typing import Final
 
 from podgate.aio.errors import ConnectError, StreamError, map_os_errors
 from podgate.aio.streams import SocketStream, start_unix_server
+from podgate.aio.tasks import TaskSet
 
 __all__ = [
     "HANDSHAKE_TIMEOUT_SECONDS",
@@ -342,10 +343,10 @@ class Listener:
         self._sock = sock
         self._inode: int | None = None
         self._accept_task: asyncio.Task[None] | None = None
-        # Connections still being served (the loop keeps only weak references to tasks).
-        self._tasks: set[asyncio.Task[None]] = set()
+        # The accept loop and the connections still being served.
+        self._tasks = TaskSet(f"vsock listener {address}", log)
         if sock is not None and handler is not None:
-            self._accept_task = asyncio.get_running_loop().create_task(
+            self._accept_task = self._tasks.spawn(
                 self._accept_loop(sock, handler), name=f"vsock listener {address}"
             )
         if address.scheme is not Scheme.VSOCK:
@@ -380,8 +381,7 @@ class Listener:
         if self._server is not None:
             await self._server.wait_closed()
         if self._accept_task is not None:
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._accept_task
+            await asyncio.wait({self._accept_task})  # its cancellation is its end, not ours
 
     async def __aenter__(self) -> Listener:
         return self
@@ -402,9 +402,7 @@ class Listener:
                     continue
                 raise
             conn.setblocking(False)
-            task = loop.create_task(_serve_one(handler, conn), name=f"vsock conn {peer}")
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._tasks.spawn(_serve_one(handler, conn), name=f"vsock conn {peer}")
 
 
 async def _serve_one(handler: _Handler, sock: socket.socket) -> None:

@@ -39,23 +39,30 @@ async def run_attach(socket_path: str, io: ExecIO) -> int:
     stdin ended without stdinOnce (the shim ends that session), or its output side closed.
     """
     conn = await attach(socket_path)
-    tasks: list[asyncio.Task[None]] = []
     try:
-        if io.stdin is not None:
-            tasks.append(asyncio.create_task(_pump_stdin(conn, io), name="attach stdin"))
-        if io.resizes is not None:
-            tasks.append(asyncio.create_task(_pump_resizes(conn, io), name="attach resize"))
-        while (event := await conn.receive()) is not None:
-            target = io.stdout if isinstance(event, Stdout) or io.tty else io.stderr
-            if target is None:
-                continue
+        async with asyncio.TaskGroup() as helpers:
+            pumps = []
+            if io.stdin is not None:
+                pumps.append(helpers.create_task(_pump_stdin(conn, io), name="attach stdin"))
+            if io.resizes is not None:
+                pumps.append(helpers.create_task(_pump_resizes(conn, io), name="attach resize"))
             try:
-                await target.send(event.data)
-            except StreamError:
-                return 0  # the client went away: detach
+                await _pump_output(conn, io)
+            finally:
+                for pump in pumps:  # the output side decides when the session ends
+                    pump.cancel()
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
         await conn.aclose()
     return conn.exit_code if conn.exit_code is not None else 0
+
+
+async def _pump_output(conn: AttachConnection, io: ExecIO) -> None:
+    """Until the container exits or the client goes away (a detach)."""
+    while (event := await conn.receive()) is not None:
+        target = io.stdout if isinstance(event, Stdout) or io.tty else io.stderr
+        if target is None:
+            continue
+        try:
+            await target.send(event.data)
+        except StreamError:
+            return

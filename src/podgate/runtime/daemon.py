@@ -6,14 +6,12 @@ children); a restarted daemon picks them up from the state directory.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
-import signal
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
+from podgate.aio.loop import wait_for_signal
 from podgate.backends.agent import AgentBackend
 from podgate.backends.base import Backend, Backends, BackendUnavailableError
 from podgate.backends.exec import ExecBackend
@@ -24,6 +22,7 @@ from podgate.runtime.cri.service import serve_cri, stop_cri
 from podgate.runtime.nri import RuntimeNri
 from podgate.runtime.runtime import Runtime
 from podgate.runtime.sandbox import lifecycle as sandbox
+from podgate.runtime.store import state_socket
 from podgate.runtime.streaming import DEFAULT_STREAM_IDLE_TIMEOUT_SECONDS, StreamingServer
 from podgate.runtime.target import RuntimeTarget
 
@@ -67,7 +66,7 @@ class RuntimeConfig:
 
     @property
     def cri_socket_path(self) -> str:
-        return self.cri_socket or str(Path(self.state_dir) / "cri.sock")
+        return self.cri_socket or state_socket(self.state_dir, "cri.sock")
 
 
 @dataclass(slots=True)
@@ -129,24 +128,6 @@ async def running_runtime(config: RuntimeConfig) -> AsyncIterator[RunningRuntime
         await streaming.stop()
         await agent.aclose()
         netns.worker.close()
-
-
-async def wait_for_signal() -> int:
-    """Until SIGTERM or SIGINT; returns the signal number."""
-    loop = asyncio.get_running_loop()
-    got: asyncio.Future[int] = loop.create_future()
-
-    def on_signal(sig: int) -> None:
-        if not got.done():
-            got.set_result(sig)
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal, sig)
-    try:
-        return await got
-    finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
 
 
 async def run_daemon(config: RuntimeConfig) -> None:

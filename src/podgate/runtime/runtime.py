@@ -142,7 +142,11 @@ class Runtime:
             or not is_alive(pod.holder)
             or (pod.ns_process is not None and not is_alive(pod.ns_process))
         ):
-            log.info("pod %s: holder is gone; marking it not ready", pod.id[:12])
+            log.info(
+                "pod %s: holder is gone; marking it not ready",
+                pod.id[:12],
+                extra={"pod_id": pod.id},
+            )
             pod.state = PodState.NOTREADY
             self.store.save_pod(pod)
 
@@ -209,28 +213,44 @@ class Runtime:
         )
         run = self.store.run_path(pod_id)
         async with self._lock(pod_id):
-            holder, ns_process = await holder_mod.start_holder(
-                hostname=pod.hostname,
-                pid_ns=pod.pid_mode is NamespaceMode.POD,
-                ready_file=str(run / "holder.json"),
-                log_file=str(run / "holder.log"),
-            )
-            pod.holder, pod.ns_process = holder, ns_process
-            await sandbox.start_for_pod(pod, run)  # sandboxed pods: the guest, shim and agent
-            if self.nri is not None:
-                try:
-                    await self.nri.pod_started(pod)  # network plugins configure the netns here
-                except Exception as exc:
-                    await sandbox.stop_for_pod(pod)
-                    await holder_mod.stop_holder(holder)
-                    self.store.remove_run_path(pod_id)
-                    raise FailedPreconditionError(f"NRI RunPodSandbox failed: {exc}") from exc
+            try:
+                holder, ns_process = await holder_mod.start_holder(
+                    hostname=pod.hostname,
+                    pid_ns=pod.pid_mode is NamespaceMode.POD,
+                    ready_file=str(run / "holder.json"),
+                    log_file=str(run / "holder.log"),
+                )
+                pod.holder, pod.ns_process = holder, ns_process
+                await sandbox.start_for_pod(pod, run)  # sandboxed pods: guest, shim and agent
+                if self.nri is not None:
+                    try:
+                        await self.nri.pod_started(pod)  # network plugins configure the netns
+                    except Exception as exc:
+                        raise FailedPreconditionError(f"NRI RunPodSandbox failed: {exc}") from exc
+            except BaseException:
+                # Nothing of a pod that did not start stays behind: processes, run directory.
+                await asyncio.shield(self._undo_pod_start(pod))
+                raise
             pod.state = PodState.READY
             self.store.ensure_dir(log_dir)
             self.pods[pod_id] = pod
             self.store.save_pod(pod)
-        log.info("pod %s/%s running as %s", meta.namespace, meta.name, pod_id[:12])
+        log.info(
+            "pod %s/%s running as %s",
+            meta.namespace,
+            meta.name,
+            pod_id[:12],
+            extra={"pod": f"{meta.namespace}/{meta.name}", "pod_id": pod_id},
+        )
         return pod_id
+
+    async def _undo_pod_start(self, pod: PodRecord) -> None:
+        try:
+            await sandbox.stop_for_pod(pod)
+            if pod.holder is not None:
+                await holder_mod.stop_holder(pod.holder)
+        finally:
+            self.store.remove_run_path(pod.id)
 
     async def stop_pod(self, pod_id: str) -> None:
         try:

@@ -215,7 +215,7 @@ def test_zlib_bomb_is_rejected_with_bounded_memory(zlib_bomb: tuple[bytes, int])
     # The frame itself was allocated before tracing began; what we allocate on top of it is
     # bounded by the inflate cap, not by the 1 GiB the block would expand to.
     assert peak < 4 * 1024 * 1024
-    assert elapsed < 2.0
+    assert elapsed < 20.0  # inflating the whole 1 GiB would take minutes
     assert conn.closed
 
 

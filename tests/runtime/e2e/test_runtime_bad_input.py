@@ -18,13 +18,21 @@ from pathlib import Path
 
 import grpc
 import pytest
-from runtime_e2e_support import Pods, Sink, rpc_error, stream_target, unknown_id
+from runtime_e2e_support import (
+    Pods,
+    RuntimeDaemon,
+    Sink,
+    rpc_error,
+    stream_target,
+    unknown_id,
+)
 
 from podgate.cri import api_pb2 as pb
 from podgate.cri import api_pb2_grpc as pb_grpc
 from podgate.model import PodMetadata, PodRecord, PodState
 from podgate.runtime.store import Store
 from podgate.streaming.client import exec_spdy, exec_websocket
+from process_support import processes_mentioning
 
 pytestmark = [
     pytest.mark.privileged,
@@ -235,3 +243,17 @@ def test_crash_in_a_state_write_leaves_the_old_record(tmp_path: Path) -> None:
     ]
     assert loaded_containers == []
     assert sorted(pods_dir.iterdir()) == [record_path], "the temporary file was not cleaned up"
+
+
+async def test_a_pod_that_fails_to_start_leaves_nothing_behind(
+    runtime_daemon: RuntimeDaemon, cri: pb_grpc.RuntimeServiceStub, pods: Pods
+) -> None:
+    # The kernel refuses a hostname over 64 bytes: the pod's holder cannot set it up.
+    run_root = Store(runtime_daemon.state_dir).run_dir
+    before = sorted(run_root.iterdir())
+    error = await rpc_error(pods.run("bad-hostname", hostname="h" * 65))
+    assert error.code() != grpc.StatusCode.OK
+    assert sorted(run_root.iterdir()) == before, "a run directory was left behind"
+    listed = await cri.ListPodSandbox(pb.ListPodSandboxRequest())
+    assert [p.metadata.name for p in listed.items if p.metadata.name == "bad-hostname"] == []
+    assert processes_mentioning("h" * 65) == []

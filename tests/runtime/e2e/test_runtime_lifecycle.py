@@ -168,7 +168,8 @@ async def test_container_lifecycle_stop_escalation_and_idempotence(
 
     started = time.monotonic()
     await cri.StopContainer(pb.StopContainerRequest(container_id=web, timeout=10))
-    assert time.monotonic() - started < 5, "sleep dies of SIGTERM; no need to wait for SIGKILL"
+    # Below the 10 s grace: sleep dies of SIGTERM, no wait for SIGKILL.
+    assert time.monotonic() - started < 9, "sleep dies of SIGTERM; no need to wait for SIGKILL"
     status = await pods.status(web)
     assert status.state == pb.CONTAINER_EXITED
     assert status.exit_code == SIGTERM_EXIT
@@ -178,7 +179,7 @@ async def test_container_lifecycle_stop_escalation_and_idempotence(
     started = time.monotonic()
     await cri.StopContainer(pb.StopContainerRequest(container_id=stubborn, timeout=1))
     elapsed = time.monotonic() - started
-    assert 1.0 <= elapsed < 8, elapsed
+    assert 1.0 <= elapsed < 30, elapsed  # SIGKILL after the 1 s grace; generous under load
     status = await pods.status(stubborn)
     assert (status.state, status.exit_code) == (pb.CONTAINER_EXITED, SIGKILL_EXIT)
 
@@ -249,7 +250,7 @@ async def test_exec_sync_timeout_is_deadline_exceeded_and_kills_the_command(
     )
     elapsed = time.monotonic() - started
     assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert 0.9 <= elapsed < 5, elapsed
+    assert 0.9 <= elapsed < 25, elapsed  # the runtime's 1 s deadline, not the client's 30 s
     # The runtime kills the command's process group before answering; allow the kernel a
     # moment to tear the processes down.
     for _ in range(100):

@@ -40,8 +40,9 @@ GAP_SECONDS = 3.0
 # The counter prints every 0.1 s; over the gap at least half of its lines must be there.
 MIN_LINES_PER_SECOND = 5
 SECOND = 1_000_000_000
-# SIGTERM with nothing in flight: the daemon closes its servers and exits at once.
-STOP_SECONDS = 5.0
+# SIGTERM with nothing in flight: the daemon closes its servers and exits at once (well within
+# its drain grace; generous for a loaded machine).
+STOP_SECONDS = 20.0
 
 
 async def test_pods_survive_a_killed_daemon() -> None:

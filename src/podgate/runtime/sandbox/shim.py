@@ -48,6 +48,7 @@ from podgate.agent import agent_pb2
 from podgate.aio.errors import ConnectError, StreamError
 from podgate.aio.splice import splice
 from podgate.aio.streams import DEFAULT_RECEIVE_BYTES, Buffer, ByteStream, SocketStream
+from podgate.aio.tasks import TaskSet
 from podgate.aio.ttrpc import RequestContext, TtrpcClient, TtrpcClosedError, TtrpcServer
 from podgate.linux import holder as holder_mod
 from podgate.linux import vsock
@@ -217,7 +218,7 @@ class SandboxShim:
         self._free_ports: list[int] = []
         self._next_port = FIRST_DIAL_BACK_PORT
         self._relays: set[_Relay] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = TaskSet("sandbox shim", log)
         self._agent_proc: asyncio.subprocess.Process | None = None
         self._vmm_proc: asyncio.subprocess.Process | None = None
         self._agent: TtrpcClient | None = None
@@ -579,9 +580,7 @@ class SandboxShim:
         return self.stats.SerializeToString()
 
     def _spawn_task(self, coro: Coroutine[Any, Any, None], name: str) -> None:
-        task = asyncio.get_running_loop().create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks.spawn(coro, name=name)
 
     async def stop(self) -> None:
         self._stopping = True
@@ -593,11 +592,7 @@ class SandboxShim:
         if self._agent is not None:
             await self._agent.aclose()
         await self._stop_vm()
-        tasks = [t for t in self._tasks if t is not asyncio.current_task()]
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.wait(tasks)
+        await self._tasks.aclose()
 
 
 def _answered_protocol(reply: bytes) -> str:

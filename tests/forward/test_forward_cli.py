@@ -261,7 +261,7 @@ def test_exec_tty_sees_the_window_size_and_resizes(demo: RunningServers) -> None
     script = (
         "i=0; while [ \"$(stty size)\" = '0 0' ] && [ $i -lt 100 ]; do sleep 0.05; i=$((i+1));"
         " done; first=$(stty size); echo $first; read line;"
-        " i=0; while [ \"$(stty size)\" = \"$first\" ] && [ $i -lt 100 ]; do sleep 0.05;"
+        ' i=0; while [ "$(stty size)" = "$first" ] && [ $i -lt 100 ]; do sleep 0.05;'
         " i=$((i+1)); done; stty size; exit 4"
     )
     argv = [sys.executable, "-m", "podgate", "exec", "--kubeconfig", demo.kubeconfig]

@@ -43,7 +43,7 @@ deps: $(VENV)/.test
 lint: deps
 	$(VENV)/bin/ruff check src tests $(wildcard bench)
 	$(VENV)/bin/ruff format --check src tests $(wildcard bench)
-	$(VENV)/bin/lint-imports --config pyproject.toml
+	$(VENV)/bin/lint-imports pyproject.toml
 
 typecheck: deps
 	$(VENV)/bin/mypy src

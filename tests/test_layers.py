@@ -18,7 +18,7 @@ LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
 def _lint(src: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(src)}
     return subprocess.run(
-        [str(LINT_IMPORTS), "--config", str(ROOT / "pyproject.toml"), "--no-cache"],
+        [str(LINT_IMPORTS), str(ROOT / "pyproject.toml"), "--no-cache"],
         cwd=src,
         env=env,
         capture_output=True,

@@ -33,12 +33,15 @@ from podgate.model import PodMetadata, PodRecord, PodState
 from podgate.runtime.store import Store
 from podgate.streaming.client import exec_spdy, exec_websocket
 from process_support import processes_mentioning
+from udp_support import wait_until
 
 pytestmark = [
     pytest.mark.privileged,
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root: the runtime creates namespaces"),
 ]
 
+# How long a failed pod's processes may take to be gone (generous under load), seconds.
+PROCESS_EXIT_SECONDS = 10.0
 # Linux's MAX_ARG_STRLEN (32 pages): one longer argument makes execve fail with E2BIG.
 TOO_LONG_ARGUMENT = 200_000
 
@@ -256,4 +259,9 @@ async def test_a_pod_that_fails_to_start_leaves_nothing_behind(
     assert sorted(run_root.iterdir()) == before, "a run directory was left behind"
     listed = await cri.ListPodSandbox(pb.ListPodSandboxRequest())
     assert [p.metadata.name for p in listed.items if p.metadata.name == "bad-hostname"] == []
-    assert processes_mentioning("h" * 65) == []
+    # The holder that failed may still be exiting when the error arrives: give it a moment.
+    await wait_until(
+        lambda: processes_mentioning("h" * 65) == [],
+        "the failed pod's processes are gone",
+        timeout=PROCESS_EXIT_SECONDS,
+    )

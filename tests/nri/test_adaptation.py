@@ -239,24 +239,77 @@ async def test_second_registration_is_refused(make_runtime: Any, peers: list[Pee
     assert names(adaptation) == ["10-once"]
 
 
-async def test_update_containers_are_answered_as_failed(
+UPDATES = [
+    api.ContainerUpdate(container_id="ctr1", ignore_failure=True),
+    api.ContainerUpdate(
+        container_id="ctr2",
+        linux=api.LinuxContainerUpdate(
+            resources=api.LinuxResources(
+                memory=api.LinuxMemory(limit=api.OptionalInt64(value=1 << 20))
+            )
+        ),
+    ),
+]
+
+
+class RecordingUpdates:
+    """An update handler that records what reaches the runtime and fails `failing` ids."""
+
+    def __init__(self, failing: set[str] | None = None) -> None:
+        self.failing = failing or set()
+        self.updates: list[list[api.ContainerUpdate]] = []
+        self.evictions: list[list[api.ContainerEviction]] = []
+
+    async def update_containers(self, updates: Any) -> list[api.ContainerUpdate]:
+        self.updates.append(list(updates))
+        return [u for u in updates if u.container_id in self.failing]
+
+    async def evict_containers(self, evictions: Any) -> None:
+        self.evictions.append(list(evictions))
+
+
+async def test_unsolicited_updates_without_runtime_support_are_refused_with_the_reason(
     make_runtime: Any, peers: list[Peer]
 ) -> None:
     adaptation = await make_runtime()
     peer = await join(adaptation, peers, Peer("updater", "10"))
-    updates = [
-        api.ContainerUpdate(container_id="ctr1", ignore_failure=True),
-        api.ContainerUpdate(
-            container_id="ctr2",
-            linux=api.LinuxContainerUpdate(
-                resources=api.LinuxResources(
-                    memory=api.LinuxMemory(limit=api.OptionalInt64(value=1 << 20))
-                )
-            ),
-        ),
+    with pytest.raises(TtrpcError) as info:
+        await peer.update_containers(api.UpdateContainersRequest(update=UPDATES))
+    assert info.value.code == Code.UNIMPLEMENTED
+    assert "container updates are not supported by this runtime" in info.value.message
+
+
+async def test_unsolicited_updates_reach_the_runtime_merged(
+    make_runtime: Any, peers: list[Peer]
+) -> None:
+    adaptation = await make_runtime()
+    handler = RecordingUpdates(failing={"ctr2"})
+    adaptation.update_handler = handler
+    peer = await join(adaptation, peers, Peer("updater", "10"))
+    evict = [api.ContainerEviction(container_id="ctr3", reason="too big")]
+    reply = await peer.update_containers(api.UpdateContainersRequest(update=UPDATES, evict=evict))
+    [applied] = handler.updates
+    assert [u.container_id for u in applied] == ["ctr1", "ctr2"]
+    assert applied[1].linux.resources.memory.limit.value == 1 << 20
+    assert applied[0].ignore_failure and not applied[1].ignore_failure
+    assert [u.container_id for u in reply.failed] == ["ctr2"]
+    assert handler.evictions == [evict]
+
+
+async def test_a_plugin_may_update_the_same_field_twice(
+    make_runtime: Any, peers: list[Peer]
+) -> None:
+    adaptation = await make_runtime()
+    adaptation.update_handler = RecordingUpdates()
+    peer = await join(adaptation, peers, Peer("updater", "10"))
+    quota = api.LinuxResources(cpu=api.LinuxCPU(quota=api.OptionalInt64(value=5000)))
+    twice = [
+        api.ContainerUpdate(container_id="ctr1", linux=api.LinuxContainerUpdate(resources=quota)),
+        api.ContainerUpdate(container_id="ctr1", linux=api.LinuxContainerUpdate(resources=quota)),
     ]
-    reply = await peer.update_containers(api.UpdateContainersRequest(update=updates))
-    assert list(reply.failed) == updates
+    # one plugin owns what it set: setting it twice is no conflict
+    reply = await peer.update_containers(api.UpdateContainersRequest(update=twice))
+    assert list(reply.failed) == []
 
 
 # ----------------------------------------------------------------------------- Synchronize
@@ -620,7 +673,7 @@ async def test_adjustments_are_merged_in_order(make_runtime: Any, peers: list[Pe
             },
         ),
     )
-    adjust = await adaptation.create_container(POD, CONTAINER)
+    adjust = (await adaptation.create_container(POD, CONTAINER)).adjust
     assert [(kv.key, kv.value) for kv in adjust.env] == [("FOO", "1"), ("BAR", "2")]
     assert dict(adjust.annotations) == {"seen": "yes"}
     # The second plugin saw the first one's change.
@@ -636,9 +689,7 @@ async def test_conflicting_adjustments_fail_creation(make_runtime: Any, peers: l
     await join(adaptation, peers, Peer("b", "20", events=create, replies={"CreateContainer": foo}))
     with pytest.raises(ConflictError) as info:
         await adaptation.create_container(POD, CONTAINER)
-    assert (
-        str(info.value) == 'plugins "20-b" and "10-a" both tried to set environment variable "FOO"'
-    )
+    assert str(info.value) == 'plugins "20-b" and "10-a" both tried to set Env FOO'
 
 
 async def test_validator_sees_owners_and_can_reject(make_runtime: Any, peers: list[Peer]) -> None:
@@ -686,7 +737,7 @@ async def test_validator_sees_owners_and_can_reject(make_runtime: Any, peers: li
     assert [(p.index, p.name) for p in request.plugins] == [("10", "env"), ("90", "policy")]
 
     verdict["reject"] = False
-    adjust = await adaptation.create_container(POD, CONTAINER)
+    adjust = (await adaptation.create_container(POD, CONTAINER)).adjust
     assert [(kv.key, kv.value) for kv in adjust.env] == [("FOO", "1")]
 
 
@@ -745,7 +796,7 @@ async def test_disabled_adaptation_does_nothing(make_runtime: Any, short_dir: st
     adaptation = await make_runtime(enabled=False)
     assert not os.path.exists(adaptation.config.socket_path)
     await adaptation.run_pod_sandbox(POD)
-    assert await adaptation.create_container(POD, CONTAINER) == api.ContainerAdjustment()
+    assert (await adaptation.create_container(POD, CONTAINER)).adjust == api.ContainerAdjustment()
 
 
 async def test_disable_connections_means_no_listener(make_runtime: Any) -> None:
@@ -782,7 +833,7 @@ async def test_a_plugin_built_with_the_sdk_works_end_to_end(make_runtime: Any) -
             api.RUN_POD_SANDBOX, api.CREATE_CONTAINER, api.POD_SANDBOX_STATUS
         )
         await adaptation.run_pod_sandbox(POD)
-        adjust = await adaptation.create_container(POD, CONTAINER)
+        adjust = (await adaptation.create_container(POD, CONTAINER)).adjust
         assert dict(adjust.annotations) == {"tagged-by": "tagger"}
         assert await adaptation.pod_sandbox_status(POD) == ("192.0.2.40", ["2001:db8::40"])
         assert seen == ["pod1"]

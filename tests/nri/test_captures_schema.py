@@ -25,7 +25,10 @@ def test_every_plugin_message_decodes_without_unknown_fields(scenario: str) -> N
 def test_every_message_of_both_sides_decodes_without_unknown_fields(scenario: str) -> None:
     for captured in load(scenario).messages:
         if captured.message is not None:
-            assert unknown_field_paths(captured.message) == [], (captured.direction, captured.method)
+            assert unknown_field_paths(captured.message) == [], (
+                captured.direction,
+                captured.method,
+            )
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)

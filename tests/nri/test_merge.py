@@ -54,27 +54,27 @@ def env_of(adjust: api.ContainerAdjustment) -> list[tuple[str, str]]:
         (
             env(FOO="1"),
             env(FOO="2"),
-            'plugins "20-b" and "10-a" both tried to set environment variable "FOO"',
+            'plugins "20-b" and "10-a" both tried to set Env FOO',
         ),
         (
             api.ContainerAdjustment(annotations={"k": "1"}),
             api.ContainerAdjustment(annotations={"k": "2"}),
-            'plugins "20-b" and "10-a" both tried to set annotation "k"',
+            'plugins "20-b" and "10-a" both tried to set Annotations k',
         ),
         (
             api.ContainerAdjustment(mounts=[api.Mount(destination="/dst", source="/a")]),
             api.ContainerAdjustment(mounts=[api.Mount(destination="/dst", source="/b")]),
-            'plugins "20-b" and "10-a" both tried to set mount "/dst"',
+            'plugins "20-b" and "10-a" both tried to set Mounts /dst',
         ),
         (
             api.ContainerAdjustment(args=["/a"]),
             api.ContainerAdjustment(args=["/b"]),
-            'plugins "20-b" and "10-a" both tried to set args',
+            'plugins "20-b" and "10-a" both tried to set Args ',
         ),
         (
             api.ContainerAdjustment(rlimits=[api.POSIXRlimit(type="RLIMIT_NOFILE", hard=1)]),
             api.ContainerAdjustment(rlimits=[api.POSIXRlimit(type="RLIMIT_NOFILE", hard=2)]),
-            'plugins "20-b" and "10-a" both tried to set rlimit "RLIMIT_NOFILE"',
+            'plugins "20-b" and "10-a" both tried to set Rlimits RLIMIT_NOFILE',
         ),
         (
             api.ContainerAdjustment(
@@ -91,7 +91,7 @@ def env_of(adjust: api.ContainerAdjustment) -> list[tuple[str, str]]:
                     )
                 )
             ),
-            'plugins "20-b" and "10-a" both tried to set memory limit',
+            'plugins "20-b" and "10-a" both tried to set MemLimit ',
         ),
         (
             api.ContainerAdjustment(
@@ -104,7 +104,7 @@ def env_of(adjust: api.ContainerAdjustment) -> list[tuple[str, str]]:
                     resources=api.LinuxResources(cpu=api.LinuxCPU(cpus="2"))
                 )
             ),
-            'plugins "20-b" and "10-a" both tried to set CPU pinning',
+            'plugins "20-b" and "10-a" both tried to set CPUSetCPUs ',
         ),
         (
             api.ContainerAdjustment(
@@ -117,7 +117,7 @@ def env_of(adjust: api.ContainerAdjustment) -> list[tuple[str, str]]:
                     resources=api.LinuxResources(pids=api.LinuxPids(limit=20))
                 )
             ),
-            'plugins "20-b" and "10-a" both tried to set pids limit',
+            'plugins "20-b" and "10-a" both tried to set PidsLimit ',
         ),
         (
             api.ContainerAdjustment(
@@ -126,7 +126,7 @@ def env_of(adjust: api.ContainerAdjustment) -> list[tuple[str, str]]:
             api.ContainerAdjustment(
                 linux=api.LinuxContainerAdjustment(oom_score_adj=api.OptionalInt(value=6))
             ),
-            'plugins "20-b" and "10-a" both tried to set OOM score adjustment',
+            'plugins "20-b" and "10-a" both tried to set OomScoreAdj ',
         ),
     ],
 )
@@ -185,9 +185,7 @@ def test_a_plugin_may_reset_an_entry_it_removed() -> None:
     # A third plugin setting it conflicts with the one that took it over.
     with pytest.raises(ConflictError) as info:
         merger.apply("30-c", env(FOO="3"))
-    assert str(info.value) == (
-        'plugins "30-c" and "20-b" both tried to set environment variable "FOO"'
-    )
+    assert str(info.value) == ('plugins "30-c" and "20-b" both tried to set Env FOO')
 
 
 def test_removal_alone_is_recorded_and_owned_by_the_remover() -> None:
@@ -207,7 +205,7 @@ def test_setting_an_entry_someone_removed_conflicts_with_the_remover() -> None:
     merger.apply("10-a", api.ContainerAdjustment(annotations={"-keep": ""}))
     with pytest.raises(ConflictError) as info:
         merger.apply("20-b", api.ContainerAdjustment(annotations={"keep": "again"}))
-    assert str(info.value) == 'plugins "20-b" and "10-a" both tried to set annotation "keep"'
+    assert str(info.value) == 'plugins "20-b" and "10-a" both tried to set Annotations keep'
 
 
 def test_removing_twice_does_not_conflict() -> None:
@@ -306,8 +304,7 @@ def test_env_conflict_iff_two_plugins_set_one_name(plugin_keys: list[set[str]]) 
         for kv in adjust.env:
             if kv.key in owner:
                 expected_conflict = (
-                    f'plugins "{plugin}" and "{owner[kv.key]}" both tried to set '
-                    f'environment variable "{kv.key}"'
+                    f'plugins "{plugin}" and "{owner[kv.key]}" both tried to set Env {kv.key}'
                 )
                 break
             owner[kv.key] = plugin

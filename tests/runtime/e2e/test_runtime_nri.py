@@ -401,7 +401,7 @@ async def test_two_plugins_setting_one_env_variable_fail_create_container() -> N
                 error = await rpc_error(pods.create(pod, "c", ["sleep", "600"], start=False))
                 # The plugin asking second is named first, as upstream words it.
                 assert (
-                    'plugins "41-envb" and "40-enva" both tried to set environment variable "FOO"'
+                    'plugins "41-envb" and "40-enva" both tried to set Env FOO'
                     in error.details()
                 )
                 listed = await rt.ListContainers(pb.ListContainersRequest())

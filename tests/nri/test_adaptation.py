@@ -19,7 +19,13 @@ import pytest
 from nripeer import WAIT_SECONDS, Peer
 
 from podgate.nri import api_pb2 as api
-from podgate.nri.adaptation import Adaptation, ConflictError, NriConfig, NriError
+from podgate.nri.adaptation import (
+    Adaptation,
+    ConflictError,
+    NriConfig,
+    NriError,
+    UpdatesNotSupportedError,
+)
 from podgate.proto.ttrpc import MAX_MESSAGE_LENGTH, Code, TtrpcError
 from podgate.proto.ttrpc.frames import encode_request
 
@@ -843,3 +849,102 @@ async def test_a_plugin_built_with_the_sdk_works_end_to_end(make_runtime: Any) -
     finally:
         task.cancel()
         await asyncio.wait([task])
+
+
+# ----------------------------------------------------------------------------- updates
+
+
+def update_of(container_id: str, *, ignore_failure: bool = False) -> api.ContainerUpdate:
+    return api.ContainerUpdate(
+        container_id=container_id,
+        ignore_failure=ignore_failure,
+        linux=api.LinuxContainerUpdate(
+            resources=api.LinuxResources(cpu=api.LinuxCPU(quota=api.OptionalInt64(value=5000)))
+        ),
+    )
+
+
+async def test_updates_asked_on_create_fail_it_when_the_runtime_cannot_update(
+    make_runtime: Any, peers: list[Peer]
+) -> None:
+    adaptation = await make_runtime()
+    replies = {"CreateContainer": lambda _: api.CreateContainerResponse(update=[update_of("old")])}
+    await join(adaptation, peers, Peer("updater", "10", events=0, replies=replies))
+    with pytest.raises(UpdatesNotSupportedError) as info:
+        await adaptation.create_container(POD, CONTAINER)
+    assert str(info.value) == (
+        "CreateContainer: container updates are not supported by this runtime"
+    )
+
+
+async def test_updates_that_may_fail_do_not_fail_create(
+    make_runtime: Any, peers: list[Peer], caplog: pytest.LogCaptureFixture
+) -> None:
+    adaptation = await make_runtime()
+    soft = update_of("old", ignore_failure=True)
+    replies = {"CreateContainer": lambda _: api.CreateContainerResponse(update=[soft])}
+    await join(adaptation, peers, Peer("updater", "10", events=0, replies=replies))
+    with caplog.at_level(logging.WARNING, logger="podgate.nri.adaptation"):
+        await adaptation.create_container(POD, CONTAINER)
+    assert "ignoring 1 container updates on CreateContainer" in caplog.text
+
+
+async def test_updates_asked_on_create_reach_validators_then_the_runtime(
+    make_runtime: Any, peers: list[Peer]
+) -> None:
+    adaptation = await make_runtime()
+    handler = RecordingUpdates()
+    adaptation.update_handler = handler
+    replies = {"CreateContainer": lambda _: api.CreateContainerResponse(update=[update_of("old")])}
+    await join(
+        adaptation, peers, Peer("updater", "10", events=bit(api.CREATE_CONTAINER), replies=replies)
+    )
+    validator = await join(
+        adaptation,
+        peers,
+        Peer("validator", "20", events=bit(api.VALIDATE_CONTAINER_ADJUSTMENT)),
+    )
+    await adaptation.create_container(POD, CONTAINER)
+    [request] = validator.received("ValidateContainerAdjustment")
+    assert [u.container_id for u in request.update] == ["old"]
+    assert request.owners.owners["old"].simple[api.CPUQuota] == "10-updater"
+    assert [[u.container_id for u in batch] for batch in handler.updates] == [["old"]]
+
+
+async def test_a_plugin_may_not_update_the_container_being_created(
+    make_runtime: Any, peers: list[Peer]
+) -> None:
+    adaptation = await make_runtime()
+    replies = {
+        "CreateContainer": lambda r: api.CreateContainerResponse(update=[update_of(r.container.id)])
+    }
+    await join(adaptation, peers, Peer("updater", "10", events=0, replies=replies))
+    with pytest.raises(
+        NriError, match='plugin "10-updater" asked update of "ctr1" during creation'
+    ):
+        await adaptation.create_container(POD, CONTAINER)
+
+
+async def test_update_container_merges_the_request_with_plugins_updates(
+    make_runtime: Any, peers: list[Peer]
+) -> None:
+    adaptation = await make_runtime()
+    limit = api.LinuxResources(memory=api.LinuxMemory(limit=api.OptionalInt64(value=1 << 20)))
+    replies = {
+        "UpdateContainer": lambda r: api.UpdateContainerResponse(
+            update=[
+                api.ContainerUpdate(
+                    container_id=r.container.id, linux=api.LinuxContainerUpdate(resources=limit)
+                ),
+                update_of("other"),
+            ]
+        )
+    }
+    peer = await join(adaptation, peers, Peer("updater", "10", events=0, replies=replies))
+    quota = api.LinuxResources(cpu=api.LinuxCPU(quota=api.OptionalInt64(value=7000)))
+    updates = await adaptation.update_container(POD, CONTAINER, quota)
+    [request] = peer.received("UpdateContainer")
+    assert request.linux_resources == quota
+    assert [u.container_id for u in updates] == ["ctr1", "other"]
+    assert updates[0].linux.resources.cpu.quota.value == 7000  # the runtime's request
+    assert updates[0].linux.resources.memory.limit.value == 1 << 20  # the plugin's addition

@@ -948,3 +948,31 @@ async def test_update_container_merges_the_request_with_plugins_updates(
     assert [u.container_id for u in updates] == ["ctr1", "other"]
     assert updates[0].linux.resources.cpu.quota.value == 7000  # the runtime's request
     assert updates[0].linux.resources.memory.limit.value == 1 << 20  # the plugin's addition
+
+
+# ----------------------------------------------------------------------------- pod IPs
+
+
+async def test_plugins_after_the_network_plugin_see_the_ips_at_run_pod_sandbox(
+    make_runtime: Any, peers: list[Peer]
+) -> None:
+    """As containerd, which runs CNI before NRI's RunPodSandbox: a network plugin's IPs are
+    in the pod every later plugin gets (network-logger would print them)."""
+    adaptation = await make_runtime()
+    run = bit(api.RUN_POD_SANDBOX)
+    status = {"PodSandboxStatus": lambda _: api.PodSandboxStatusResponse(ip="10.88.0.5")}
+    early = await join(adaptation, peers, Peer("early", "05", events=run))
+    await join(
+        adaptation,
+        peers,
+        Peer("net", "10", events=run | bit(api.POD_SANDBOX_STATUS), replies=status),
+    )
+    late = await join(adaptation, peers, Peer("netlogger", "20", events=run))
+    pod = api.PodSandbox(id="pod9", name="web")
+    assert await adaptation.run_pod_sandbox(pod, network=True) == ("10.88.0.5", [])
+    assert [list(p.pod.ips) for p in early.received("RunPodSandbox")] == [[]]
+    assert [list(p.pod.ips) for p in late.received("RunPodSandbox")] == [["10.88.0.5"]]
+    assert list(pod.ips) == []  # the caller's message is left alone
+    # Without NRI networking every plugin gets the pod as the runtime made it.
+    await adaptation.run_pod_sandbox(POD)
+    assert list(late.received("RunPodSandbox")[1].pod.ips) == ["192.0.2.1"]

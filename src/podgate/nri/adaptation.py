@@ -705,9 +705,60 @@ class Adaptation:
                     log.error("nri: %s", exc)
 
     # ------------------------------------------------------------------ pod events
-    async def run_pod_sandbox(self, pod: api.PodSandbox) -> None:
-        await self._notify(
-            _RUN_POD_SANDBOX, api.RunPodSandboxRequest(pod=pod), api.RunPodSandboxResponse, pod
+    async def run_pod_sandbox(
+        self, pod: api.PodSandbox, *, network: bool = False
+    ) -> tuple[str, list[str]]:
+        """RunPodSandbox to every subscriber in index order.
+
+        With `network` (pod networking belongs to NRI plugins) each plugin that answers
+        PodSandboxStatus is asked for the pod's IPs right after its RunPodSandbox, and later
+        plugins get the pod with the IPs found so far — as containerd, which runs CNI before
+        NRI's RunPodSandbox, hands every plugin the pod's IPs. Returns (ip, additional_ips),
+        aggregated as `pod_sandbox_status` does; ("", []) without `network`."""
+        if not network:
+            await self._notify(
+                _RUN_POD_SANDBOX, api.RunPodSandboxRequest(pod=pod), api.RunPodSandboxResponse, pod
+            )
+            return "", []
+        current = api.PodSandbox()
+        current.CopyFrom(pod)
+        replies: list[api.PodSandboxStatusResponse] = []
+        asked: set[PluginConnection] = set()
+        async with self._lock:
+            for plugin in self._subscribers(api.RUN_POD_SANDBOX):
+                state_change = api.StateChangeEvent(event=api.RUN_POD_SANDBOX, pod=current)
+                request = api.RunPodSandboxRequest(pod=current)
+                try:
+                    await self._request(
+                        plugin,
+                        "RunPodSandbox",
+                        request,
+                        api.RunPodSandboxResponse,
+                        state_change=state_change,
+                    )
+                    if subscribed(plugin.events, api.POD_SANDBOX_STATUS):
+                        asked.add(plugin)
+                        replies.append(await self._pod_status(plugin, current))
+                except _Dropped:
+                    continue
+                ip, additional = aggregate_pod_ips(replies)
+                current.ClearField("ips")
+                current.ips.extend([ip, *additional] if ip else [])
+            for plugin in self._subscribers(api.POD_SANDBOX_STATUS):
+                if plugin not in asked:
+                    with contextlib.suppress(_Dropped):
+                        replies.append(await self._pod_status(plugin, current))
+        return aggregate_pod_ips(replies)
+
+    async def _pod_status(
+        self, plugin: PluginConnection, pod: api.PodSandbox
+    ) -> api.PodSandboxStatusResponse:
+        return await self._request(
+            plugin,
+            "PodSandboxStatus",
+            api.PodSandboxStatusRequest(pod=pod),
+            api.PodSandboxStatusResponse,
+            unimplemented_ok=True,
         )
 
     async def stop_pod_sandbox(self, pod: api.PodSandbox) -> None:

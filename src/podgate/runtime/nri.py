@@ -3,9 +3,12 @@
 The order follows containerd (reference §8.2) with one change that NRI-owned networking needs:
 `StopPodSandbox` goes out after the containers stop but *before* the pod's namespaces are
 released, so network plugins tear down while the netns still exists (containerd runs CNI there
-instead). With NRI networking on, `RunPodSandbox` is followed by `PodSandboxStatus` before the
-pod is Ready, so the IPs are known (and recorded) when RunPodSandbox returns; CRI
-PodSandboxStatus asks again through a short cache, since the kubelet polls it.
+instead). With NRI networking on, each network plugin is asked `PodSandboxStatus` right after
+its `RunPodSandbox`, and the plugins after it in index order get RunPodSandbox with the IPs
+found so far — containerd runs CNI before NRI's RunPodSandbox, so its plugins all see the IPs;
+here the network plugins are NRI plugins themselves, so only those ordered before them see
+none. The IPs are recorded before the pod is Ready; CRI PodSandboxStatus asks again through a
+short cache, since the kubelet polls it.
 
 PodSandboxStatus merge policy (containerd/nri #267, revision 2): the first non-empty `ip` in
 plugin index order is the pod IP; later plugins' `ip` and every `additional_ips` entry follow in
@@ -42,7 +45,9 @@ STATUS_CACHE_SECONDS = 2.0
 class NriAdaptation(Protocol):
     """What the runtime needs from the NRI adaptation (podgate.nri.adaptation.Adaptation)."""
 
-    async def run_pod_sandbox(self, pod: api.PodSandbox) -> None: ...
+    async def run_pod_sandbox(
+        self, pod: api.PodSandbox, *, network: bool = False
+    ) -> tuple[str, list[str]]: ...
     async def stop_pod_sandbox(self, pod: api.PodSandbox) -> None: ...
     async def remove_pod_sandbox(self, pod: api.PodSandbox) -> None: ...
     async def pod_sandbox_status(self, pod: api.PodSandbox) -> tuple[str, list[str]]: ...
@@ -104,9 +109,8 @@ class RuntimeNri:
         """
         message = self.pod_message(pod)
         try:
-            await self.adaptation.run_pod_sandbox(message)
+            ip, additional = await self.adaptation.run_pod_sandbox(message, network=self.network)
             if self.network:
-                ip, additional = await self.adaptation.pod_sandbox_status(message)
                 pod.ip, pod.additional_ips = ip, list(additional)
                 self._status_cache[pod.id] = (time.monotonic(), ip, list(additional))
         except Exception:

@@ -976,3 +976,29 @@ async def test_plugins_after_the_network_plugin_see_the_ips_at_run_pod_sandbox(
     # Without NRI networking every plugin gets the pod as the runtime made it.
     await adaptation.run_pod_sandbox(POD)
     assert list(late.received("RunPodSandbox")[1].pod.ips) == ["192.0.2.1"]
+
+
+async def test_evictions_asked_on_create_fail_it_when_the_runtime_cannot_evict(
+    make_runtime: Any, peers: list[Peer]
+) -> None:
+    adaptation = await make_runtime()
+    evict = [api.ContainerEviction(container_id="old", reason="make room")]
+    replies = {"CreateContainer": lambda _: api.CreateContainerResponse(evict=evict)}
+    await join(adaptation, peers, Peer("evictor", "10", events=0, replies=replies))
+    with pytest.raises(UpdatesNotSupportedError, match="container eviction is not supported"):
+        await adaptation.create_container(POD, CONTAINER)
+
+
+async def test_a_plugin_whose_sync_asks_for_updates_is_refused_with_the_reason(
+    make_runtime: Any, peers: list[Peer], caplog: pytest.LogCaptureFixture
+) -> None:
+    adaptation = await make_runtime()
+    replies = {"Synchronize": lambda _: api.SynchronizeResponse(update=[update_of("ctr1")])}
+    peer = Peer("syncer", "10", replies=replies)
+    peers.append(peer)
+    with caplog.at_level(logging.WARNING, logger="podgate.nri.adaptation"):
+        await peer.connect(adaptation.config.socket_path)
+        await peer.register()
+        await peer.wait_closed()
+    assert names(adaptation) == []
+    assert "container updates are not supported by this runtime" in caplog.text

@@ -324,6 +324,22 @@ async def test_both_plugins_give_ips_in_index_order() -> None:
             )
 
 
+async def test_a_plugin_after_the_network_plugin_sees_the_ips_at_run_pod_sandbox() -> None:
+    # containerd hands every NRI plugin the CNI IPs at RunPodSandbox; here the network is an NRI
+    # plugin (cni, index 10), and the logger (index 20) after it sees its IPs there too.
+    with nri_runtime(["cni", "logger"]) as run:
+        async with run.pods() as (pods, rt):
+            pod = await pods.run("seen")
+            ips = await pod_ips(rt, pod)
+            lines = [
+                json.loads(line) for line in (run.state / "events.jsonl").read_text().splitlines()
+            ]
+            [run_pod] = [
+                e for e in lines if e["pod_id"] == pod.id and e["event"] == "RunPodSandbox"
+            ]
+            assert ips and run_pod["ips"] == ips
+
+
 async def test_logger_sees_every_event_in_order() -> None:
     with nri_runtime(["logger"], extra=["--network", "none"]) as run:
         events_file = run.state / "events.jsonl"
@@ -401,8 +417,7 @@ async def test_two_plugins_setting_one_env_variable_fail_create_container() -> N
                 error = await rpc_error(pods.create(pod, "c", ["sleep", "600"], start=False))
                 # The plugin asking second is named first, as upstream words it.
                 assert (
-                    'plugins "41-envb" and "40-enva" both tried to set Env FOO'
-                    in error.details()
+                    'plugins "41-envb" and "40-enva" both tried to set Env FOO' in error.details()
                 )
                 listed = await rt.ListContainers(pb.ListContainersRequest())
                 assert [c for c in listed.containers if c.pod_sandbox_id == pod.id] == []

@@ -621,10 +621,8 @@ class UpdateCollector:
         self._ignore_failure: dict[str, bool] = {}
         self.evictions: list[api.ContainerEviction] = []
         if requested is not None:  # UpdateContainer: the runtime's own request comes first
-            self._merger(requested.container_id, requested.ignore_failure)
-            self._mergers[requested.container_id]._linux.resources.CopyFrom(
-                requested.linux.resources
-            )
+            merger = self._merger(requested.container_id, requested.ignore_failure)
+            merger.merged_resources().CopyFrom(requested.linux.resources)  # no owner: the base
 
     def _merger(self, container_id: str, ignore_failure: bool) -> AdjustmentMerger:
         merger = self._mergers.get(container_id)

@@ -463,6 +463,45 @@ async def test_plugin_mount_and_annotation_reach_the_container(tmp_path: Path) -
             ]
 
 
+# The sample adjusting plugin built with the SDK, run as an external plugin.
+ULIMITS_PLUGIN = r"""
+import sys
+from podgate.nri.plugins.ulimits import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+async def annotated_pod(pods: Pods, name: str, annotations: dict[str, str]) -> Pod:
+    config = pb.PodSandboxConfig(
+        metadata=pb.PodSandboxMetadata(name=name, namespace="e2e", uid=f"{name}-uid"),
+        annotations=annotations,
+    )
+    response = await pods.rt.RunPodSandbox(pb.RunPodSandboxRequest(config=config))
+    pods.created.append(response.pod_sandbox_id)
+    return Pod(response.pod_sandbox_id, config)
+
+
+async def test_an_adjustment_podgate_cannot_apply_fails_create_naming_plugin_and_field() -> None:
+    with (
+        nri_runtime([], extra=["--network", "none"]) as run,
+        external_plugin(run, ULIMITS_PLUGIN, "ulimits", "30"),
+    ):
+        async with run.pods() as (pods, rt):
+            limits = "- type: nofile\n  hard: 4096\n  soft: 1024\n"
+            key = "ulimits.noderesource.dev/container.c"
+            pod = await annotated_pod(pods, "limited", {key: limits})
+            error = await rpc_error(pods.create(pod, "c", ["sleep", "600"], start=False))
+            assert (
+                'plugin "30-ulimits" set Rlimits RLIMIT_NOFILE, which this runtime cannot apply '
+                "to containers yet" in error.details()
+            )
+            listed = await rt.ListContainers(pb.ListContainersRequest())
+            assert [c for c in listed.containers if c.pod_sandbox_id == pod.id] == []
+            # A container the plugin leaves alone is created as usual.
+            other = await pods.create(pod, "other", ["sleep", "600"], start=False)
+            assert other
+
+
 async def test_plugin_that_never_answers_is_dropped() -> None:
     extra = ["--network", "none", "--nri-request-timeout", "1"]
     with nri_runtime(["logger"], extra=extra) as run:

@@ -18,6 +18,7 @@ from test_convert import make_container, make_pod
 from podgate.model import ContainerState
 from podgate.nri import api_pb2 as api
 from podgate.nri.adaptation import Adaptation, NriConfig, UpdatesNotSupportedError
+from podgate.nri.adjust import Adjustment
 from podgate.nri.merge import UnappliedAdjustmentError
 from podgate.proto.ttrpc import Code, TtrpcError
 from podgate.runtime.nri import RuntimeNri
@@ -139,3 +140,36 @@ async def test_post_update_follows_an_applied_update(wired: Any) -> None:
     await applying.container_updating(make_pod(), make_container(), resources)
     assert [method for _, method in journal] == ["UpdateContainer", "PostUpdateContainer"]
     assert [u.linux.resources.cpu.quota.value for u in applying.applied] == [5000]
+
+
+async def test_hooks_and_resources_are_merged_then_refused_by_name(wired: Any) -> None:
+    adaptation, runtime_nri, peers = wired
+    hook = Adjustment().add_hook("prestart", "/bin/true", ["true"]).message
+    limit = Adjustment().add_hook("poststop", "/bin/true").set_memory_limit(1 << 26).message
+    for name, index, adjust in (("hooker", "10", hook), ("limiter", "20", limit)):
+        replies = {"CreateContainer": lambda _, a=adjust: api.CreateContainerResponse(adjust=a)}
+        await join(
+            adaptation, peers, Peer(name, index, events=bit(api.CREATE_CONTAINER), replies=replies)
+        )
+    result = await adaptation.create_container(make_pod_message(), api.Container(id="c"))
+    assert [h.path for h in result.adjust.hooks.prestart] == ["/bin/true"]
+    assert len(result.adjust.hooks.poststop) == 1
+    assert result.adjust.linux.resources.memory.limit.value == 1 << 26
+    owners = result.owners.owners["c"]
+    assert owners.simple[api.OciHooks] == "10-hooker,20-limiter"  # hooks accumulate
+    assert owners.simple[api.MemLimit] == "20-limiter"
+    with pytest.raises(UnappliedAdjustmentError) as info:
+        await runtime_nri.container_creating(make_pod(), created())
+    assert str(info.value) == (
+        'plugin "10-hooker" set OciHooks, which this runtime cannot apply to containers yet '
+        "(and 2 more)"
+    )
+    assert [(c.plugin, c.field.upstream_name) for c in info.value.claims] == [
+        ("10-hooker", "OciHooks"),
+        ("20-limiter", "OciHooks"),
+        ("20-limiter", "MemLimit"),
+    ]
+
+
+def make_pod_message() -> api.PodSandbox:
+    return api.PodSandbox(id="p", name="web", namespace="default")

@@ -1505,7 +1505,9 @@ Global___User: _TypeAlias = User  # noqa: Y015
 
 @_typing.final
 class Image(_message.Message):
-    """The container's image (containerd/nri #302)."""
+    """The container's image (containerd/nri #302, merged 2026-08; fields in the order the PR
+    describes them).
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 

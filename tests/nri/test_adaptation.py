@@ -19,7 +19,13 @@ import pytest
 from nripeer import WAIT_SECONDS, Peer
 
 from podgate.nri import api_pb2 as api
-from podgate.nri.adaptation import Adaptation, ConflictError, NriConfig, NriError
+from podgate.nri.adaptation import (
+    Adaptation,
+    ConflictError,
+    NriConfig,
+    NriError,
+    UpdatesNotSupportedError,
+)
 from podgate.proto.ttrpc import MAX_MESSAGE_LENGTH, Code, TtrpcError
 from podgate.proto.ttrpc.frames import encode_request
 
@@ -239,24 +245,77 @@ async def test_second_registration_is_refused(make_runtime: Any, peers: list[Pee
     assert names(adaptation) == ["10-once"]
 
 
-async def test_update_containers_are_answered_as_failed(
+UPDATES = [
+    api.ContainerUpdate(container_id="ctr1", ignore_failure=True),
+    api.ContainerUpdate(
+        container_id="ctr2",
+        linux=api.LinuxContainerUpdate(
+            resources=api.LinuxResources(
+                memory=api.LinuxMemory(limit=api.OptionalInt64(value=1 << 20))
+            )
+        ),
+    ),
+]
+
+
+class RecordingUpdates:
+    """An update handler that records what reaches the runtime and fails `failing` ids."""
+
+    def __init__(self, failing: set[str] | None = None) -> None:
+        self.failing = failing or set()
+        self.updates: list[list[api.ContainerUpdate]] = []
+        self.evictions: list[list[api.ContainerEviction]] = []
+
+    async def update_containers(self, updates: Any) -> list[api.ContainerUpdate]:
+        self.updates.append(list(updates))
+        return [u for u in updates if u.container_id in self.failing]
+
+    async def evict_containers(self, evictions: Any) -> None:
+        self.evictions.append(list(evictions))
+
+
+async def test_unsolicited_updates_without_runtime_support_are_refused_with_the_reason(
     make_runtime: Any, peers: list[Peer]
 ) -> None:
     adaptation = await make_runtime()
     peer = await join(adaptation, peers, Peer("updater", "10"))
-    updates = [
-        api.ContainerUpdate(container_id="ctr1", ignore_failure=True),
-        api.ContainerUpdate(
-            container_id="ctr2",
-            linux=api.LinuxContainerUpdate(
-                resources=api.LinuxResources(
-                    memory=api.LinuxMemory(limit=api.OptionalInt64(value=1 << 20))
-                )
-            ),
-        ),
+    with pytest.raises(TtrpcError) as info:
+        await peer.update_containers(api.UpdateContainersRequest(update=UPDATES))
+    assert info.value.code == Code.UNIMPLEMENTED
+    assert "container updates are not supported by this runtime" in info.value.message
+
+
+async def test_unsolicited_updates_reach_the_runtime_merged(
+    make_runtime: Any, peers: list[Peer]
+) -> None:
+    adaptation = await make_runtime()
+    handler = RecordingUpdates(failing={"ctr2"})
+    adaptation.update_handler = handler
+    peer = await join(adaptation, peers, Peer("updater", "10"))
+    evict = [api.ContainerEviction(container_id="ctr3", reason="too big")]
+    reply = await peer.update_containers(api.UpdateContainersRequest(update=UPDATES, evict=evict))
+    [applied] = handler.updates
+    assert [u.container_id for u in applied] == ["ctr1", "ctr2"]
+    assert applied[1].linux.resources.memory.limit.value == 1 << 20
+    assert applied[0].ignore_failure and not applied[1].ignore_failure
+    assert [u.container_id for u in reply.failed] == ["ctr2"]
+    assert handler.evictions == [evict]
+
+
+async def test_a_plugin_may_update_the_same_field_twice(
+    make_runtime: Any, peers: list[Peer]
+) -> None:
+    adaptation = await make_runtime()
+    adaptation.update_handler = RecordingUpdates()
+    peer = await join(adaptation, peers, Peer("updater", "10"))
+    quota = api.LinuxResources(cpu=api.LinuxCPU(quota=api.OptionalInt64(value=5000)))
+    twice = [
+        api.ContainerUpdate(container_id="ctr1", linux=api.LinuxContainerUpdate(resources=quota)),
+        api.ContainerUpdate(container_id="ctr1", linux=api.LinuxContainerUpdate(resources=quota)),
     ]
-    reply = await peer.update_containers(api.UpdateContainersRequest(update=updates))
-    assert list(reply.failed) == updates
+    # one plugin owns what it set: setting it twice is no conflict
+    reply = await peer.update_containers(api.UpdateContainersRequest(update=twice))
+    assert list(reply.failed) == []
 
 
 # ----------------------------------------------------------------------------- Synchronize
@@ -620,7 +679,7 @@ async def test_adjustments_are_merged_in_order(make_runtime: Any, peers: list[Pe
             },
         ),
     )
-    adjust = await adaptation.create_container(POD, CONTAINER)
+    adjust = (await adaptation.create_container(POD, CONTAINER)).adjust
     assert [(kv.key, kv.value) for kv in adjust.env] == [("FOO", "1"), ("BAR", "2")]
     assert dict(adjust.annotations) == {"seen": "yes"}
     # The second plugin saw the first one's change.
@@ -636,9 +695,7 @@ async def test_conflicting_adjustments_fail_creation(make_runtime: Any, peers: l
     await join(adaptation, peers, Peer("b", "20", events=create, replies={"CreateContainer": foo}))
     with pytest.raises(ConflictError) as info:
         await adaptation.create_container(POD, CONTAINER)
-    assert (
-        str(info.value) == 'plugins "20-b" and "10-a" both tried to set environment variable "FOO"'
-    )
+    assert str(info.value) == 'plugins "20-b" and "10-a" both tried to set Env FOO'
 
 
 async def test_validator_sees_owners_and_can_reject(make_runtime: Any, peers: list[Peer]) -> None:
@@ -686,7 +743,7 @@ async def test_validator_sees_owners_and_can_reject(make_runtime: Any, peers: li
     assert [(p.index, p.name) for p in request.plugins] == [("10", "env"), ("90", "policy")]
 
     verdict["reject"] = False
-    adjust = await adaptation.create_container(POD, CONTAINER)
+    adjust = (await adaptation.create_container(POD, CONTAINER)).adjust
     assert [(kv.key, kv.value) for kv in adjust.env] == [("FOO", "1")]
 
 
@@ -745,7 +802,7 @@ async def test_disabled_adaptation_does_nothing(make_runtime: Any, short_dir: st
     adaptation = await make_runtime(enabled=False)
     assert not os.path.exists(adaptation.config.socket_path)
     await adaptation.run_pod_sandbox(POD)
-    assert await adaptation.create_container(POD, CONTAINER) == api.ContainerAdjustment()
+    assert (await adaptation.create_container(POD, CONTAINER)).adjust == api.ContainerAdjustment()
 
 
 async def test_disable_connections_means_no_listener(make_runtime: Any) -> None:
@@ -782,7 +839,7 @@ async def test_a_plugin_built_with_the_sdk_works_end_to_end(make_runtime: Any) -
             api.RUN_POD_SANDBOX, api.CREATE_CONTAINER, api.POD_SANDBOX_STATUS
         )
         await adaptation.run_pod_sandbox(POD)
-        adjust = await adaptation.create_container(POD, CONTAINER)
+        adjust = (await adaptation.create_container(POD, CONTAINER)).adjust
         assert dict(adjust.annotations) == {"tagged-by": "tagger"}
         assert await adaptation.pod_sandbox_status(POD) == ("192.0.2.40", ["2001:db8::40"])
         assert seen == ["pod1"]
@@ -792,3 +849,156 @@ async def test_a_plugin_built_with_the_sdk_works_end_to_end(make_runtime: Any) -
     finally:
         task.cancel()
         await asyncio.wait([task])
+
+
+# ----------------------------------------------------------------------------- updates
+
+
+def update_of(container_id: str, *, ignore_failure: bool = False) -> api.ContainerUpdate:
+    return api.ContainerUpdate(
+        container_id=container_id,
+        ignore_failure=ignore_failure,
+        linux=api.LinuxContainerUpdate(
+            resources=api.LinuxResources(cpu=api.LinuxCPU(quota=api.OptionalInt64(value=5000)))
+        ),
+    )
+
+
+async def test_updates_asked_on_create_fail_it_when_the_runtime_cannot_update(
+    make_runtime: Any, peers: list[Peer]
+) -> None:
+    adaptation = await make_runtime()
+    replies = {"CreateContainer": lambda _: api.CreateContainerResponse(update=[update_of("old")])}
+    await join(adaptation, peers, Peer("updater", "10", events=0, replies=replies))
+    with pytest.raises(UpdatesNotSupportedError) as info:
+        await adaptation.create_container(POD, CONTAINER)
+    assert str(info.value) == (
+        "CreateContainer: container updates are not supported by this runtime"
+    )
+
+
+async def test_updates_that_may_fail_do_not_fail_create(
+    make_runtime: Any, peers: list[Peer], caplog: pytest.LogCaptureFixture
+) -> None:
+    adaptation = await make_runtime()
+    soft = update_of("old", ignore_failure=True)
+    replies = {"CreateContainer": lambda _: api.CreateContainerResponse(update=[soft])}
+    await join(adaptation, peers, Peer("updater", "10", events=0, replies=replies))
+    with caplog.at_level(logging.WARNING, logger="podgate.nri.adaptation"):
+        await adaptation.create_container(POD, CONTAINER)
+    assert "ignoring 1 container updates on CreateContainer" in caplog.text
+
+
+async def test_updates_asked_on_create_reach_validators_then_the_runtime(
+    make_runtime: Any, peers: list[Peer]
+) -> None:
+    adaptation = await make_runtime()
+    handler = RecordingUpdates()
+    adaptation.update_handler = handler
+    replies = {"CreateContainer": lambda _: api.CreateContainerResponse(update=[update_of("old")])}
+    await join(
+        adaptation, peers, Peer("updater", "10", events=bit(api.CREATE_CONTAINER), replies=replies)
+    )
+    validator = await join(
+        adaptation,
+        peers,
+        Peer("validator", "20", events=bit(api.VALIDATE_CONTAINER_ADJUSTMENT)),
+    )
+    await adaptation.create_container(POD, CONTAINER)
+    [request] = validator.received("ValidateContainerAdjustment")
+    assert [u.container_id for u in request.update] == ["old"]
+    assert request.owners.owners["old"].simple[api.CPUQuota] == "10-updater"
+    assert [[u.container_id for u in batch] for batch in handler.updates] == [["old"]]
+
+
+async def test_a_plugin_may_not_update_the_container_being_created(
+    make_runtime: Any, peers: list[Peer]
+) -> None:
+    adaptation = await make_runtime()
+    replies = {
+        "CreateContainer": lambda r: api.CreateContainerResponse(update=[update_of(r.container.id)])
+    }
+    await join(adaptation, peers, Peer("updater", "10", events=0, replies=replies))
+    with pytest.raises(
+        NriError, match='plugin "10-updater" asked update of "ctr1" during creation'
+    ):
+        await adaptation.create_container(POD, CONTAINER)
+
+
+async def test_update_container_merges_the_request_with_plugins_updates(
+    make_runtime: Any, peers: list[Peer]
+) -> None:
+    adaptation = await make_runtime()
+    limit = api.LinuxResources(memory=api.LinuxMemory(limit=api.OptionalInt64(value=1 << 20)))
+    replies = {
+        "UpdateContainer": lambda r: api.UpdateContainerResponse(
+            update=[
+                api.ContainerUpdate(
+                    container_id=r.container.id, linux=api.LinuxContainerUpdate(resources=limit)
+                ),
+                update_of("other"),
+            ]
+        )
+    }
+    peer = await join(adaptation, peers, Peer("updater", "10", events=0, replies=replies))
+    quota = api.LinuxResources(cpu=api.LinuxCPU(quota=api.OptionalInt64(value=7000)))
+    updates = await adaptation.update_container(POD, CONTAINER, quota)
+    [request] = peer.received("UpdateContainer")
+    assert request.linux_resources == quota
+    assert [u.container_id for u in updates] == ["ctr1", "other"]
+    assert updates[0].linux.resources.cpu.quota.value == 7000  # the runtime's request
+    assert updates[0].linux.resources.memory.limit.value == 1 << 20  # the plugin's addition
+
+
+# ----------------------------------------------------------------------------- pod IPs
+
+
+async def test_plugins_after_the_network_plugin_see_the_ips_at_run_pod_sandbox(
+    make_runtime: Any, peers: list[Peer]
+) -> None:
+    """As containerd, which runs CNI before NRI's RunPodSandbox: a network plugin's IPs are
+    in the pod every later plugin gets (network-logger would print them)."""
+    adaptation = await make_runtime()
+    run = bit(api.RUN_POD_SANDBOX)
+    status = {"PodSandboxStatus": lambda _: api.PodSandboxStatusResponse(ip="10.88.0.5")}
+    early = await join(adaptation, peers, Peer("early", "05", events=run))
+    await join(
+        adaptation,
+        peers,
+        Peer("net", "10", events=run | bit(api.POD_SANDBOX_STATUS), replies=status),
+    )
+    late = await join(adaptation, peers, Peer("netlogger", "20", events=run))
+    pod = api.PodSandbox(id="pod9", name="web")
+    assert await adaptation.run_pod_sandbox(pod, network=True) == ("10.88.0.5", [])
+    assert [list(p.pod.ips) for p in early.received("RunPodSandbox")] == [[]]
+    assert [list(p.pod.ips) for p in late.received("RunPodSandbox")] == [["10.88.0.5"]]
+    assert list(pod.ips) == []  # the caller's message is left alone
+    # Without NRI networking every plugin gets the pod as the runtime made it.
+    await adaptation.run_pod_sandbox(POD)
+    assert list(late.received("RunPodSandbox")[1].pod.ips) == ["192.0.2.1"]
+
+
+async def test_evictions_asked_on_create_fail_it_when_the_runtime_cannot_evict(
+    make_runtime: Any, peers: list[Peer]
+) -> None:
+    adaptation = await make_runtime()
+    evict = [api.ContainerEviction(container_id="old", reason="make room")]
+    replies = {"CreateContainer": lambda _: api.CreateContainerResponse(evict=evict)}
+    await join(adaptation, peers, Peer("evictor", "10", events=0, replies=replies))
+    with pytest.raises(UpdatesNotSupportedError, match="container eviction is not supported"):
+        await adaptation.create_container(POD, CONTAINER)
+
+
+async def test_a_plugin_whose_sync_asks_for_updates_is_refused_with_the_reason(
+    make_runtime: Any, peers: list[Peer], caplog: pytest.LogCaptureFixture
+) -> None:
+    adaptation = await make_runtime()
+    replies = {"Synchronize": lambda _: api.SynchronizeResponse(update=[update_of("ctr1")])}
+    peer = Peer("syncer", "10", replies=replies)
+    peers.append(peer)
+    with caplog.at_level(logging.WARNING, logger="podgate.nri.adaptation"):
+        await peer.connect(adaptation.config.socket_path)
+        await peer.register()
+        await peer.wait_closed()
+    assert names(adaptation) == []
+    assert "container updates are not supported by this runtime" in caplog.text

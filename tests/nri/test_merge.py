@@ -1,8 +1,9 @@
 """Adjustment merging, event masks and PodSandboxStatus aggregation: pure tables.
 
 Expected conflict texts follow upstream's format `plugins %q and %q both tried to set %s`, the
-plugin asking now first; owner keys are upstream's `api.Field` numbers (Env = 6, Args = 7,
-MemLimit = 8, CPUShares = 16, OciHooks = 3, Annotations = 1, Mounts = 2, Rlimits = 30).
+plugin asking now first, %s the field's upstream `api.Field` name, a space and the entry key;
+owner keys are upstream's `api.Field` numbers (Env = 6, Args = 7, MemLimit = 8, CPUShares = 16,
+OciHooks = 3, Annotations = 1, Mounts = 2, Rlimits = 30).
 """
 
 from __future__ import annotations
@@ -16,12 +17,16 @@ from podgate.nri.merge import (
     VALID_EVENTS,
     AdjustmentMerger,
     ConflictError,
+    Field,
     NriError,
+    UnappliedAdjustmentError,
+    UpdateCollector,
     aggregate_pod_ips,
     event_bit,
     event_mask,
     merge_adjustments,
     subscribed,
+    unapplied,
 )
 
 CONTAINER = api.Container(
@@ -54,27 +59,27 @@ def env_of(adjust: api.ContainerAdjustment) -> list[tuple[str, str]]:
         (
             env(FOO="1"),
             env(FOO="2"),
-            'plugins "20-b" and "10-a" both tried to set environment variable "FOO"',
+            'plugins "20-b" and "10-a" both tried to set Env FOO',
         ),
         (
             api.ContainerAdjustment(annotations={"k": "1"}),
             api.ContainerAdjustment(annotations={"k": "2"}),
-            'plugins "20-b" and "10-a" both tried to set annotation "k"',
+            'plugins "20-b" and "10-a" both tried to set Annotations k',
         ),
         (
             api.ContainerAdjustment(mounts=[api.Mount(destination="/dst", source="/a")]),
             api.ContainerAdjustment(mounts=[api.Mount(destination="/dst", source="/b")]),
-            'plugins "20-b" and "10-a" both tried to set mount "/dst"',
+            'plugins "20-b" and "10-a" both tried to set Mounts /dst',
         ),
         (
             api.ContainerAdjustment(args=["/a"]),
             api.ContainerAdjustment(args=["/b"]),
-            'plugins "20-b" and "10-a" both tried to set args',
+            'plugins "20-b" and "10-a" both tried to set Args ',
         ),
         (
             api.ContainerAdjustment(rlimits=[api.POSIXRlimit(type="RLIMIT_NOFILE", hard=1)]),
             api.ContainerAdjustment(rlimits=[api.POSIXRlimit(type="RLIMIT_NOFILE", hard=2)]),
-            'plugins "20-b" and "10-a" both tried to set rlimit "RLIMIT_NOFILE"',
+            'plugins "20-b" and "10-a" both tried to set Rlimits RLIMIT_NOFILE',
         ),
         (
             api.ContainerAdjustment(
@@ -91,7 +96,7 @@ def env_of(adjust: api.ContainerAdjustment) -> list[tuple[str, str]]:
                     )
                 )
             ),
-            'plugins "20-b" and "10-a" both tried to set memory limit',
+            'plugins "20-b" and "10-a" both tried to set MemLimit ',
         ),
         (
             api.ContainerAdjustment(
@@ -104,7 +109,7 @@ def env_of(adjust: api.ContainerAdjustment) -> list[tuple[str, str]]:
                     resources=api.LinuxResources(cpu=api.LinuxCPU(cpus="2"))
                 )
             ),
-            'plugins "20-b" and "10-a" both tried to set CPU pinning',
+            'plugins "20-b" and "10-a" both tried to set CPUSetCPUs ',
         ),
         (
             api.ContainerAdjustment(
@@ -117,7 +122,7 @@ def env_of(adjust: api.ContainerAdjustment) -> list[tuple[str, str]]:
                     resources=api.LinuxResources(pids=api.LinuxPids(limit=20))
                 )
             ),
-            'plugins "20-b" and "10-a" both tried to set pids limit',
+            'plugins "20-b" and "10-a" both tried to set PidsLimit ',
         ),
         (
             api.ContainerAdjustment(
@@ -126,7 +131,7 @@ def env_of(adjust: api.ContainerAdjustment) -> list[tuple[str, str]]:
             api.ContainerAdjustment(
                 linux=api.LinuxContainerAdjustment(oom_score_adj=api.OptionalInt(value=6))
             ),
-            'plugins "20-b" and "10-a" both tried to set OOM score adjustment',
+            'plugins "20-b" and "10-a" both tried to set OomScoreAdj ',
         ),
     ],
 )
@@ -185,9 +190,7 @@ def test_a_plugin_may_reset_an_entry_it_removed() -> None:
     # A third plugin setting it conflicts with the one that took it over.
     with pytest.raises(ConflictError) as info:
         merger.apply("30-c", env(FOO="3"))
-    assert str(info.value) == (
-        'plugins "30-c" and "20-b" both tried to set environment variable "FOO"'
-    )
+    assert str(info.value) == ('plugins "30-c" and "20-b" both tried to set Env FOO')
 
 
 def test_removal_alone_is_recorded_and_owned_by_the_remover() -> None:
@@ -207,7 +210,7 @@ def test_setting_an_entry_someone_removed_conflicts_with_the_remover() -> None:
     merger.apply("10-a", api.ContainerAdjustment(annotations={"-keep": ""}))
     with pytest.raises(ConflictError) as info:
         merger.apply("20-b", api.ContainerAdjustment(annotations={"keep": "again"}))
-    assert str(info.value) == 'plugins "20-b" and "10-a" both tried to set annotation "keep"'
+    assert str(info.value) == 'plugins "20-b" and "10-a" both tried to set Annotations keep'
 
 
 def test_removing_twice_does_not_conflict() -> None:
@@ -306,8 +309,7 @@ def test_env_conflict_iff_two_plugins_set_one_name(plugin_keys: list[set[str]]) 
         for kv in adjust.env:
             if kv.key in owner:
                 expected_conflict = (
-                    f'plugins "{plugin}" and "{owner[kv.key]}" both tried to set '
-                    f'environment variable "{kv.key}"'
+                    f'plugins "{plugin}" and "{owner[kv.key]}" both tried to set Env {kv.key}'
                 )
                 break
             owner[kv.key] = plugin
@@ -404,3 +406,173 @@ def test_pod_ip_aggregation(
     replies: list[api.PodSandboxStatusResponse], expected: tuple[str, list[str]]
 ) -> None:
     assert aggregate_pod_ips(replies) == expected
+
+
+# ----------------------------------------------------------------------------- every field
+
+
+def linux(**fields: object) -> api.ContainerAdjustment:
+    return api.ContainerAdjustment(linux=api.LinuxContainerAdjustment(**fields))  # type: ignore[arg-type]
+
+
+NULL = api.LinuxDevice(path="/dev/nri-null", type="c", major=1, minor=3)
+QUOTA = api.LinuxResources(cpu=api.LinuxCPU(quota=api.OptionalInt64(value=5000)))
+
+
+@pytest.mark.parametrize(
+    ("adjust", "subject"),
+    [
+        (linux(devices=[NULL]), "Devices /dev/nri-null"),
+        (
+            api.ContainerAdjustment(CDI_devices=[api.CDIDevice(name="v.com/gpu=0")]),
+            "CdiDevices v.com/gpu=0",
+        ),
+        (linux(namespaces=[api.LinuxNamespace(type="network", path="/x")]), "Namespace network"),
+        (linux(sysctl={"net.ipv4.ip_forward": "1"}), "Sysctl net.ipv4.ip_forward"),
+        (linux(net_devices={"eth1": api.LinuxNetDevice(name="net1")}), "LinuxNetDevices eth1"),
+        (linux(scheduler=api.LinuxScheduler(policy=api.SCHED_BATCH)), "LinuxSched "),
+        (
+            linux(memory_policy=api.LinuxMemoryPolicy(mode=api.MPOL_BIND, nodes="0")),
+            "MemoryPolicy ",
+        ),
+        (linux(io_priority=api.LinuxIOPriority(priority=4)), "IoPriority "),
+        (linux(seccomp_policy=api.LinuxSeccomp(default_action="SCMP_ACT_ALLOW")), "SeccompPolicy "),
+        (linux(rdt=api.LinuxRdt(clos_id=api.OptionalString(value="gold"))), "RdtClosID "),
+        (
+            linux(
+                resources=api.LinuxResources(
+                    hugepage_limits=[api.HugepageLimit(page_size="2MB", limit=1)]
+                )
+            ),
+            "HugepageLimits 2MB",
+        ),
+        (linux(resources=QUOTA), "CPUQuota "),
+        (
+            linux(resources=api.LinuxResources(unified={"memory.high": "1"})),
+            "CgroupsUnified memory.high",
+        ),
+    ],
+)
+def test_every_field_conflicts_in_upstream_words(
+    adjust: api.ContainerAdjustment, subject: str
+) -> None:
+    with pytest.raises(ConflictError) as info:
+        merge_adjustments(CONTAINER, [("10-a", adjust), ("20-b", adjust)])
+    assert str(info.value) == f'plugins "20-b" and "10-a" both tried to set {subject}'
+
+
+def test_new_fields_are_merged_with_owners_and_claims() -> None:
+    result = merge_adjustments(
+        CONTAINER,
+        [
+            ("10-a", linux(devices=[NULL], sysctl={"kernel.shm_rmid_forced": "1"})),
+            ("20-b", api.ContainerAdjustment(CDI_devices=[api.CDIDevice(name="v.com/gpu=0")])),
+            (
+                "30-c",
+                linux(
+                    scheduler=api.LinuxScheduler(policy=api.SCHED_IDLE, nice=5),
+                    net_devices={"eth1": api.LinuxNetDevice(name="net1")},
+                    memory_policy=api.LinuxMemoryPolicy(mode=api.MPOL_INTERLEAVE, nodes="0-1"),
+                    rdt=api.LinuxRdt(schemata=api.OptionalRepeatedString(value=["L3:0=f"])),
+                ),
+            ),
+        ],
+    )
+    adjust = result.adjust
+    assert list(adjust.linux.devices) == [NULL]
+    assert dict(adjust.linux.sysctl) == {"kernel.shm_rmid_forced": "1"}
+    assert [d.name for d in adjust.CDI_devices] == ["v.com/gpu=0"]
+    assert adjust.linux.scheduler.nice == 5
+    assert adjust.linux.net_devices["eth1"].name == "net1"
+    assert adjust.linux.memory_policy.nodes == "0-1"
+    assert list(adjust.linux.rdt.schemata.value) == ["L3:0=f"]
+    owners = result.owners.owners["ctr1"]
+    assert dict(owners.compound[api.Devices].owners) == {"/dev/nri-null": "10-a"}
+    assert dict(owners.compound[api.CdiDevices].owners) == {"v.com/gpu=0": "20-b"}
+    assert owners.simple[api.LinuxSched] == "30-c"
+    assert owners.simple[api.RdtSchemata] == "30-c"
+    assert [(c.plugin, c.field.upstream_name, c.key) for c in result.claims] == [
+        ("10-a", "Devices", "/dev/nri-null"),
+        ("10-a", "Sysctl", "kernel.shm_rmid_forced"),
+        ("20-b", "CdiDevices", "v.com/gpu=0"),
+        ("30-c", "LinuxSched", ""),
+        ("30-c", "MemoryPolicy", ""),
+        ("30-c", "LinuxNetDevices", "eth1"),
+        ("30-c", "RdtSchemata", ""),
+    ]
+
+
+def test_a_removed_device_may_be_set_again_only_by_its_remover() -> None:
+    container = api.Container(id="ctr1", linux=api.LinuxContainer(devices=[NULL]))
+    gone = linux(devices=[api.LinuxDevice(path="-/dev/nri-null")])
+    result = merge_adjustments(container, [("10-a", gone)])
+    assert [d.path for d in result.adjust.linux.devices] == ["-/dev/nri-null"]
+    again = linux(devices=[NULL])
+    merged = merge_adjustments(container, [("10-a", gone), ("10-a", again)])
+    assert list(merged.adjust.linux.devices) == [NULL]
+    with pytest.raises(ConflictError, match='"20-b" and "10-a" both tried to set Devices'):
+        merge_adjustments(container, [("10-a", gone), ("20-b", again)])
+
+
+def test_device_cgroup_rules_accumulate_without_an_owner() -> None:
+    rule = api.LinuxDeviceCgroup(allow=True, type="c", access="rwm")
+    adjust = linux(resources=api.LinuxResources(devices=[rule]))
+    result = merge_adjustments(CONTAINER, [("10-a", adjust), ("20-b", adjust)])
+    assert list(result.adjust.linux.resources.devices) == [rule, rule]
+    assert all(c.field is Field.DEVICE_CGROUP_RULES for c in result.claims)
+
+
+def test_rdt_removal_clears_the_owners() -> None:
+    gold = linux(rdt=api.LinuxRdt(clos_id=api.OptionalString(value="gold")))
+    silver = linux(rdt=api.LinuxRdt(clos_id=api.OptionalString(value="silver")))
+    replace = linux(rdt=api.LinuxRdt(remove=True, clos_id=api.OptionalString(value="silver")))
+    with pytest.raises(ConflictError, match="RdtClosID"):
+        merge_adjustments(CONTAINER, [("10-a", gold), ("20-b", silver)])
+    # removing first is overriding on purpose (upstream's ClearRdt), by any plugin
+    result = merge_adjustments(CONTAINER, [("10-a", gold), ("20-b", replace)])
+    assert result.adjust.linux.rdt.remove and result.adjust.linux.rdt.clos_id.value == "silver"
+    assert result.owners.owners["ctr1"].simple[api.RdtClosID] == "20-b"
+
+
+def test_unapplied_names_plugin_and_field() -> None:
+    result = merge_adjustments(CONTAINER, [("10-a", env(X="1")), ("20-b", linux(devices=[NULL]))])
+    refused = unapplied(result.claims, {Field.ENV})
+    assert [(c.plugin, c.field, c.key) for c in refused] == [
+        ("20-b", Field.DEVICES, "/dev/nri-null")
+    ]
+    assert "20-b" in str(UnappliedAdjustmentError(refused))
+    assert unapplied(result.claims, {Field.ENV, Field.DEVICES}) == []
+
+
+def test_update_collector_merges_per_container_and_refuses_the_created_one() -> None:
+    collector = UpdateCollector(creating="new")
+    collector.add(
+        "10-a",
+        [
+            api.ContainerUpdate(
+                container_id="old",
+                linux=api.LinuxContainerUpdate(resources=QUOTA),
+                ignore_failure=True,
+            )
+        ],
+    )
+    limit = api.LinuxResources(memory=api.LinuxMemory(limit=api.OptionalInt64(value=1 << 20)))
+    collector.add(
+        "20-b",
+        [api.ContainerUpdate(container_id="old", linux=api.LinuxContainerUpdate(resources=limit))],
+    )
+    [update] = collector.updates()
+    assert update.container_id == "old" and not update.ignore_failure
+    assert update.linux.resources.cpu.quota.value == 5000
+    assert update.linux.resources.memory.limit.value == 1 << 20
+    with pytest.raises(ConflictError, match='"30-c" and "10-a" both tried to set CPUQuota'):
+        collector.add(
+            "30-c",
+            [
+                api.ContainerUpdate(
+                    container_id="old", linux=api.LinuxContainerUpdate(resources=QUOTA)
+                )
+            ],
+        )
+    with pytest.raises(NriError, match='plugin "30-c" asked update of "new" during creation'):
+        collector.add("30-c", [api.ContainerUpdate(container_id="new")])

@@ -517,7 +517,7 @@ async def drive_lifecycle(conn: PluginConn) -> None:
         await conn.call(method, request, api.Empty)
 
 
-def expected_lines() -> list[dict[str, str]]:
+def expected_lines() -> list[dict[str, object]]:
     return [
         {
             "event": method,
@@ -525,12 +525,13 @@ def expected_lines() -> list[dict[str, str]]:
             "pod_id": "pod-1",
             "container": "" if method in _POD_EVENTS else "nginx",
             "container_id": "" if method in _POD_EVENTS else "ctr-1",
+            "ips": list(POD.ips),
         }
         for method, _ in LIFECYCLE
     ]
 
 
-def read_lines(path: Path) -> list[dict[str, str]]:
+def read_lines(path: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 

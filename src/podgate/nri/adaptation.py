@@ -17,10 +17,15 @@ the event carries on as if it had answered nothing; any other error fails the ev
 and the synchronization of a newly registered plugin, so a plugin misses no event between its
 Synchronize and its first event (upstream's `BlockPluginSync`).
 
+Container updates and evictions a plugin asks for — unsolicited (UpdateContainers), in its
+Synchronize, CreateContainer, UpdateContainer or StopContainer reply — are merged per container
+with the adjustment ownership rules and handed to the runtime's `UpdateHandler`, which answers
+with the updates that failed. A runtime that cannot update containers raises
+`UpdatesNotSupportedError`: the plugin's UpdateContainers call gets that error back, a
+synchronizing plugin is refused, a CreateContainer or UpdateContainer fails (unless every
+update asked to ignore failure), and a StopContainer goes on with the error logged.
+
 Where podgate differs from containerd, on purpose:
-- Container updates are not applied: podgate does not change a running container's resources.
-  UpdateContainers answers with every update as failed; updates in Synchronize, UpdateContainer
-  and StopContainer replies are logged and dropped.
 - UNIMPLEMENTED from a plugin for PodSandboxStatus or ValidateContainerAdjustment counts as an
   empty answer: a plugin that subscribed to everything (mask 0) with an older stub gets these
   newer events too.
@@ -40,7 +45,7 @@ import socket
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from google.protobuf.message import DecodeError, Message
 
@@ -54,7 +59,9 @@ from podgate.nri.merge import (
     VALID_EVENTS,
     AdjustmentMerger,
     ConflictError,
+    MergeResult,
     NriError,
+    UpdateCollector,
     aggregate_pod_ips,
     event_mask,
     subscribed,
@@ -74,6 +81,8 @@ __all__ = [
     "NriError",
     "PluginConnection",
     "SyncFn",
+    "UpdateHandler",
+    "UpdatesNotSupportedError",
 ]
 
 log = logging.getLogger(__name__)
@@ -102,6 +111,38 @@ _OVERSIZE = re.compile(r"message length (\d+) exceed maximum message size of (\d
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 SyncFn = Callable[[], tuple[list[api.PodSandbox], list[api.Container]]]
+
+
+class UpdatesNotSupportedError(NriError):
+    """The runtime cannot change a container's resources or evict it (yet)."""
+
+
+class UpdateHandler(Protocol):
+    """Where plugins' container updates go: the runtime applies them (upstream's UpdateFn and
+    EvictFn)."""
+
+    async def update_containers(
+        self, updates: Sequence[api.ContainerUpdate]
+    ) -> list[api.ContainerUpdate]:
+        """Apply the updates; return the ones that failed. UpdatesNotSupportedError when the
+        runtime cannot update containers at all."""
+        ...
+
+    async def evict_containers(self, evictions: Sequence[api.ContainerEviction]) -> None: ...
+
+
+class _NoUpdates:
+    """The handler until the runtime installs one."""
+
+    async def update_containers(
+        self, updates: Sequence[api.ContainerUpdate]
+    ) -> list[api.ContainerUpdate]:
+        raise UpdatesNotSupportedError("container updates are not supported by this runtime")
+
+    async def evict_containers(self, evictions: Sequence[api.ContainerEviction]) -> None:
+        raise UpdatesNotSupportedError("container eviction is not supported by this runtime")
+
+
 _Reply = TypeVar("_Reply", bound=Message)
 
 
@@ -230,16 +271,19 @@ class PluginConnection:
         return b""
 
     async def _update_containers(self, payload: bytes, ctx: RequestContext) -> bytes:
+        """Unsolicited updates and evictions, merged like a reply's and handed to the runtime;
+        a runtime that cannot apply them answers the plugin with that error."""
         request = api.UpdateContainersRequest.FromString(payload)
-        if request.update or request.evict:
-            log.info(
-                "nri: plugin %s asked to update %d and evict %d containers; podgate does "
-                "neither, reporting the updates as failed",
-                self.full_name,
-                len(request.update),
-                len(request.evict),
-            )
-        return api.UpdateContainersResponse(failed=request.update).SerializeToString()
+        if not self.registered.done() or self.registered.exception() is not None:
+            raise TtrpcError(Code.FAILED_PRECONDITION, "plugin not registered")
+        try:
+            failed = await self._adaptation._unsolicited(self, request)
+        except UpdatesNotSupportedError as exc:
+            log.warning("nri: plugin %s asked for container updates: %s", self.full_name, exc)
+            raise TtrpcError(Code.UNIMPLEMENTED, str(exc)) from exc
+        except NriError as exc:
+            raise TtrpcError(Code.INVALID_ARGUMENT, str(exc)) from exc
+        return api.UpdateContainersResponse(failed=failed).SerializeToString()
 
     # -- lifecycle
     def _connection_ended(self, _task: asyncio.Task[None]) -> None:
@@ -333,8 +377,10 @@ class Adaptation:
         runtime_name: str,
         runtime_version: str,
         sync: SyncFn,
+        updates: UpdateHandler | None = None,
     ) -> None:
         self.config = config
+        self.update_handler: UpdateHandler = updates if updates is not None else _NoUpdates()
         self.runtime_name = runtime_name
         self.runtime_version = runtime_version
         self._sync = sync
@@ -500,12 +546,11 @@ class Adaptation:
             except (TtrpcError, _ProtocolError) as exc:
                 raise NriError(f"failed to synchronize plugin: {exc}") from exc
             if updates:
-                log.info(
-                    "nri: plugin %s asked for %d container updates while synchronizing; "
-                    "podgate does not update containers",
-                    plugin.full_name,
-                    len(updates),
-                )
+                collector = UpdateCollector()
+                collector.add(plugin.full_name, updates)
+                failed = await self.update_handler.update_containers(collector.updates())
+                if failed:
+                    raise NriError(f"failed to update {len(failed)} containers while synchronizing")
             self._plugins.append(plugin)
             self._plugins.sort(key=lambda p: (p.idx, p.name))
             log.info(
@@ -660,9 +705,60 @@ class Adaptation:
                     log.error("nri: %s", exc)
 
     # ------------------------------------------------------------------ pod events
-    async def run_pod_sandbox(self, pod: api.PodSandbox) -> None:
-        await self._notify(
-            _RUN_POD_SANDBOX, api.RunPodSandboxRequest(pod=pod), api.RunPodSandboxResponse, pod
+    async def run_pod_sandbox(
+        self, pod: api.PodSandbox, *, network: bool = False
+    ) -> tuple[str, list[str]]:
+        """RunPodSandbox to every subscriber in index order.
+
+        With `network` (pod networking belongs to NRI plugins) each plugin that answers
+        PodSandboxStatus is asked for the pod's IPs right after its RunPodSandbox, and later
+        plugins get the pod with the IPs found so far — as containerd, which runs CNI before
+        NRI's RunPodSandbox, hands every plugin the pod's IPs. Returns (ip, additional_ips),
+        aggregated as `pod_sandbox_status` does; ("", []) without `network`."""
+        if not network:
+            await self._notify(
+                _RUN_POD_SANDBOX, api.RunPodSandboxRequest(pod=pod), api.RunPodSandboxResponse, pod
+            )
+            return "", []
+        current = api.PodSandbox()
+        current.CopyFrom(pod)
+        replies: list[api.PodSandboxStatusResponse] = []
+        asked: set[PluginConnection] = set()
+        async with self._lock:
+            for plugin in self._subscribers(api.RUN_POD_SANDBOX):
+                state_change = api.StateChangeEvent(event=api.RUN_POD_SANDBOX, pod=current)
+                request = api.RunPodSandboxRequest(pod=current)
+                try:
+                    await self._request(
+                        plugin,
+                        "RunPodSandbox",
+                        request,
+                        api.RunPodSandboxResponse,
+                        state_change=state_change,
+                    )
+                    if subscribed(plugin.events, api.POD_SANDBOX_STATUS):
+                        asked.add(plugin)
+                        replies.append(await self._pod_status(plugin, current))
+                except _Dropped:
+                    continue
+                ip, additional = aggregate_pod_ips(replies)
+                current.ClearField("ips")
+                current.ips.extend([ip, *additional] if ip else [])
+            for plugin in self._subscribers(api.POD_SANDBOX_STATUS):
+                if plugin not in asked:
+                    with contextlib.suppress(_Dropped):
+                        replies.append(await self._pod_status(plugin, current))
+        return aggregate_pod_ips(replies)
+
+    async def _pod_status(
+        self, plugin: PluginConnection, pod: api.PodSandbox
+    ) -> api.PodSandboxStatusResponse:
+        return await self._request(
+            plugin,
+            "PodSandboxStatus",
+            api.PodSandboxStatusRequest(pod=pod),
+            api.PodSandboxStatusResponse,
+            unimplemented_ok=True,
         )
 
     async def stop_pod_sandbox(self, pod: api.PodSandbox) -> None:
@@ -728,13 +824,13 @@ class Adaptation:
         return aggregate_pod_ips(replies)
 
     # ------------------------------------------------------------------ container events
-    async def create_container(
-        self, pod: api.PodSandbox, container: api.Container
-    ) -> api.ContainerAdjustment:
-        """Every subscriber's adjustment, merged; later plugins see earlier adjustments.
-        ConflictError when two plugins set the same thing, NriError when a validator rejects
-        the result or a plugin fails."""
+    async def create_container(self, pod: api.PodSandbox, container: api.Container) -> MergeResult:
+        """Every subscriber's adjustment, merged; later plugins see earlier adjustments; then
+        the validators. ConflictError when two plugins set the same thing, NriError when a
+        validator rejects the result or a plugin fails. Updates of other containers that the
+        plugins asked for are applied through the update handler once validation passed."""
         merger = AdjustmentMerger(container)
+        collector = UpdateCollector(creating=container.id)
         async with self._lock:
             consulted = list(self._plugins)
             for plugin in self._subscribers(api.CREATE_CONTAINER):
@@ -745,25 +841,62 @@ class Adaptation:
                     )
                 except _Dropped:
                     continue
-                if reply.update or reply.evict:
-                    log.info(
-                        "nri: plugin %s asked to update %d and evict %d other containers on "
-                        "CreateContainer; podgate does neither",
-                        plugin.full_name,
-                        len(reply.update),
-                        len(reply.evict),
-                    )
                 if reply.HasField("adjust"):
                     merger.apply(plugin.full_name, reply.adjust)
+                collector.add(plugin.full_name, reply.update)
+                collector.evict(reply.evict)
             result = merger.result()
-            await self._validate(pod, container, result.adjust, result.owners, consulted)
-        return result.adjust
+            updates = collector.updates()
+            owners = result.owners
+            owners.owners.MergeFrom(collector.owners().owners)
+            await self._validate(pod, container, result.adjust, updates, owners, consulted)
+            await self._apply_updates(updates, collector.evictions, "CreateContainer")
+        return result
+
+    async def _apply_updates(
+        self,
+        updates: Sequence[api.ContainerUpdate],
+        evictions: Sequence[api.ContainerEviction],
+        during: str,
+    ) -> None:
+        """Hand merged updates to the runtime; a failed update fails the event unless it asked
+        to have failures ignored (upstream's IgnoreFailure)."""
+        if evictions:
+            await self.update_handler.evict_containers(evictions)
+        if not updates:
+            return
+        try:
+            failed = await self.update_handler.update_containers(updates)
+        except UpdatesNotSupportedError as exc:
+            if all(update.ignore_failure for update in updates):
+                log.warning(
+                    "nri: ignoring %d container updates on %s: %s", len(updates), during, exc
+                )
+                return
+            raise UpdatesNotSupportedError(f"{during}: {exc}") from exc
+        fatal = [update.container_id for update in failed if not update.ignore_failure]
+        if fatal:
+            raise NriError(f"{during}: failed to update containers {', '.join(fatal)}")
+
+    async def _unsolicited(
+        self, plugin: PluginConnection, request: api.UpdateContainersRequest
+    ) -> list[api.ContainerUpdate]:
+        """A plugin's UpdateContainers: merged, then applied; returns what failed."""
+        collector = UpdateCollector()
+        collector.add(plugin.full_name, request.update)
+        if request.evict:
+            await self.update_handler.evict_containers(list(request.evict))
+        updates = collector.updates()
+        if not updates:
+            return []
+        return await self.update_handler.update_containers(updates)
 
     async def _validate(
         self,
         pod: api.PodSandbox,
         container: api.Container,
         adjust: api.ContainerAdjustment,
+        updates: Sequence[api.ContainerUpdate],
         owners: api.OwningPlugins,
         consulted: Sequence[PluginConnection],
     ) -> None:
@@ -774,6 +907,7 @@ class Adaptation:
             pod=pod,
             container=container,
             adjust=adjust,
+            update=updates,
             owners=owners,
             plugins=[api.PluginInstance(name=p.name, index=p.idx) for p in consulted],
         )
@@ -829,13 +963,29 @@ class Adaptation:
         pod: api.PodSandbox,
         container: api.Container,
         resources: api.LinuxResources | None = None,
-    ) -> None:
+    ) -> list[api.ContainerUpdate]:
+        """The runtime is about to change `container`'s resources: plugins may alter that and
+        ask for other updates. Returns the merged updates, the container's own first; the
+        runtime applies them, then sends PostUpdateContainer."""
         request = api.UpdateContainerRequest(pod=pod, container=container)
+        requested = api.ContainerUpdate(container_id=container.id)
         if resources is not None:
             request.linux_resources.CopyFrom(resources)
-        await self._with_updates(
-            api.UPDATE_CONTAINER, "UpdateContainer", request, api.UpdateContainerResponse
-        )
+            requested.linux.resources.CopyFrom(resources)
+        collector = UpdateCollector(requested=requested)
+        async with self._lock:
+            for plugin in self._subscribers(api.UPDATE_CONTAINER):
+                try:
+                    reply = await self._request(
+                        plugin, "UpdateContainer", request, api.UpdateContainerResponse
+                    )
+                except _Dropped:
+                    continue
+                collector.add(plugin.full_name, reply.update)
+                collector.evict(reply.evict)
+            if collector.evictions:
+                await self.update_handler.evict_containers(collector.evictions)
+        return collector.updates()
 
     async def post_update_container(self, pod: api.PodSandbox, container: api.Container) -> None:
         await self._notify(
@@ -847,12 +997,23 @@ class Adaptation:
         )
 
     async def stop_container(self, pod: api.PodSandbox, container: api.Container) -> None:
-        await self._with_updates(
-            api.STOP_CONTAINER,
-            "StopContainer",
-            api.StopContainerRequest(pod=pod, container=container),
-            api.StopContainerResponse,
-        )
+        """Plugins may ask for updates of the remaining containers; a failure to apply them is
+        logged and the stop goes on."""
+        collector = UpdateCollector()
+        request = api.StopContainerRequest(pod=pod, container=container)
+        async with self._lock:
+            for plugin in self._subscribers(api.STOP_CONTAINER):
+                try:
+                    reply = await self._request(
+                        plugin, "StopContainer", request, api.StopContainerResponse
+                    )
+                except _Dropped:
+                    continue
+                collector.add(plugin.full_name, reply.update)
+            try:
+                await self._apply_updates(collector.updates(), (), "StopContainer")
+            except NriError as exc:
+                log.warning("nri: %s", exc)
 
     async def remove_container(self, pod: api.PodSandbox, container: api.Container) -> None:
         await self._notify(
@@ -862,30 +1023,6 @@ class Adaptation:
             pod,
             container,
         )
-
-    async def _with_updates(
-        self,
-        event: int,
-        method: str,
-        request: Message,
-        reply_type: type[api.UpdateContainerResponse] | type[api.StopContainerResponse],
-    ) -> None:
-        """UpdateContainer / StopContainer: dedicated RPCs whose container updates podgate
-        does not apply."""
-        async with self._lock:
-            for plugin in self._subscribers(event):
-                try:
-                    reply = await self._request(plugin, method, request, reply_type)
-                except _Dropped:
-                    continue
-                if reply.update:
-                    log.info(
-                        "nri: plugin %s asked for %d container updates on %s; podgate does "
-                        "not update containers",
-                        plugin.full_name,
-                        len(reply.update),
-                        method,
-                    )
 
 
 def _make_socket_dir(socket_path: str) -> None:

@@ -4,9 +4,10 @@ container's spec. Pure functions: no I/O.
 Mounts follow containerd's CRI → OCI mapping: a CRI mount is an OCI bind mount with options
 `rbind`, the propagation (`rprivate`, `rslave`, `rshared`) and `ro`/`rw` (plus `rro` for a
 recursive read-only one); an NRI mount coming back is read the same way. Only what
-`ContainerSpec` can hold is applied: env, args, mounts and annotations. Hooks, rlimits and Linux
-resources are merged and validated by the adaptation but podgate's processes do not run OCI
-hooks or take cgroup limits, so they stop there.
+`ContainerSpec` can hold is applied: env, args, mounts and annotations — `APPLIED_FIELDS`, the
+one table of what reaches a container. Everything else a plugin may set (hooks, devices,
+rlimits, resources, …) is merged and validated by the adaptation, and then refused by the
+runtime by name rather than dropped (runtime.nri).
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ from podgate.model import (
     PodRecord,
 )
 from podgate.nri import api_pb2 as api
-from podgate.nri.merge import REMOVAL_PREFIX
+from podgate.nri.merge import REMOVAL_PREFIX, Field
 
 __all__ = [
+    "APPLIED_FIELDS",
     "apply_adjustment",
     "container",
     "mount_from_nri",
@@ -53,6 +55,18 @@ _PROPAGATION_FROM_OPTION = {
     "rshared": "PROPAGATION_BIDIRECTIONAL",
 }
 _BIND = "bind"
+
+# The adjustment fields `apply_adjustment` carries into a container. A plugin that sets any
+# other field fails CreateContainer with its name and the field's; add a field here in the same
+# change that applies it to the container's OCI spec.
+APPLIED_FIELDS: frozenset[Field] = frozenset(
+    {
+        Field.ANNOTATIONS,
+        Field.MOUNTS,
+        Field.ENV,
+        Field.ARGS,
+    }
+)
 
 
 # ----------------------------------------------------------------------------- records → NRI

@@ -10,6 +10,7 @@
         sys.exit(run_plugin(Hello()))
 
 The plugin subscribes to the events whose methods it overrides (or sets `events` to a mask).
+Replies may be built with `podgate.nri.adjust` (`Adjustment`, `Update`: one method per field).
 The stub does the rest, as containerd/nri's Go stub does: it connects (a pre-launched plugin
 uses the socket in `NRI_PLUGIN_SOCKET` and takes its name and index from `NRI_PLUGIN_NAME` and
 `NRI_PLUGIN_IDX`; an external one dials `/var/run/nri/nri.sock`), multiplexes the connection,
@@ -45,6 +46,7 @@ from podgate.aio.nrimux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN, Mux
 from podgate.aio.streams import SocketStream
 from podgate.aio.ttrpc import RequestContext, TtrpcClient, TtrpcServer
 from podgate.nri import api_pb2 as api
+from podgate.nri.adjust import Adjustment, Update
 from podgate.proto.ttrpc import Code, TtrpcError
 
 __all__ = [
@@ -114,8 +116,18 @@ class RegistrationError(Exception):
     """The runtime refused to register the plugin (or the plugin's identity is invalid)."""
 
 
-Adjustment = api.ContainerAdjustment | None
-CreateResult = Adjustment | tuple[Adjustment, Sequence[api.ContainerUpdate]]
+AdjustmentReply = api.ContainerAdjustment | Adjustment | None
+UpdateReply = api.ContainerUpdate | Update
+# CreateContainer: an adjustment, or (adjustment, updates), or (adjustment, updates, evictions).
+CreateResult = (
+    AdjustmentReply
+    | tuple[AdjustmentReply, Sequence[UpdateReply]]
+    | tuple[AdjustmentReply, Sequence[UpdateReply], Sequence[api.ContainerEviction]]
+)
+
+
+def _updates(updates: Iterable[UpdateReply] | None) -> list[api.ContainerUpdate]:
+    return [u.message if isinstance(u, Update) else u for u in updates or ()]
 
 
 class Plugin:
@@ -150,7 +162,7 @@ class Plugin:
 
     async def synchronize(
         self, pods: list[api.PodSandbox], containers: list[api.Container]
-    ) -> list[api.ContainerUpdate]:
+    ) -> Sequence[UpdateReply]:
         return []
 
     async def shutdown(self) -> None:
@@ -183,7 +195,8 @@ class Plugin:
 
     # -- container events
     async def create_container(self, pod: api.PodSandbox, container: api.Container) -> CreateResult:
-        """An adjustment, or (adjustment, updates of other containers), or None."""
+        """An adjustment (message or `Adjustment` builder), or (adjustment, updates of other
+        containers[, evictions]), or None."""
         return None
 
     async def post_create_container(self, pod: api.PodSandbox, container: api.Container) -> None:
@@ -197,7 +210,8 @@ class Plugin:
 
     async def update_container(
         self, pod: api.PodSandbox, container: api.Container, resources: api.LinuxResources
-    ) -> list[api.ContainerUpdate]:
+    ) -> Sequence[UpdateReply]:
+        """Changes to this update (an update of `container` itself) and to other containers."""
         return []
 
     async def post_update_container(self, pod: api.PodSandbox, container: api.Container) -> None:
@@ -205,7 +219,8 @@ class Plugin:
 
     async def stop_container(
         self, pod: api.PodSandbox, container: api.Container
-    ) -> list[api.ContainerUpdate]:
+    ) -> Sequence[UpdateReply]:
+        """Updates of the remaining containers."""
         return []
 
     async def remove_container(self, pod: api.PodSandbox, container: api.Container) -> None:
@@ -297,7 +312,7 @@ class Stub:
 
     async def update_containers(
         self,
-        updates: Iterable[api.ContainerUpdate],
+        updates: Iterable[UpdateReply],
         evictions: Iterable[api.ContainerEviction] = (),
         *,
         timeout: float | None = None,
@@ -305,7 +320,7 @@ class Stub:
         """Unsolicited container updates; returns the ones the runtime failed to apply."""
         if self._client is None:
             raise TtrpcError(Code.UNAVAILABLE, "not connected to the runtime")
-        request = api.UpdateContainersRequest(update=updates, evict=evictions)
+        request = api.UpdateContainersRequest(update=_updates(updates), evict=evictions)
         reply = await self._client.call(
             RUNTIME_SERVICE, "UpdateContainers", request.SerializeToString(), timeout=timeout
         )
@@ -403,7 +418,7 @@ class Stub:
         pods, containers = self._sync_pods, self._sync_containers
         self._sync_pods, self._sync_containers = [], []
         updates = await self.plugin.synchronize(pods, containers)
-        return api.SynchronizeResponse(update=updates or ()).SerializeToString()
+        return api.SynchronizeResponse(update=_updates(updates)).SerializeToString()
 
     async def _shutdown(self, payload: bytes, ctx: RequestContext) -> bytes:
         await self.plugin.shutdown()
@@ -446,8 +461,19 @@ class Stub:
     async def _create_container(self, payload: bytes, ctx: RequestContext) -> bytes:
         request = _parse(api.CreateContainerRequest, payload)
         result = await self.plugin.create_container(request.pod, request.container)
-        adjust, updates = result if isinstance(result, tuple) else (result, ())
-        reply = api.CreateContainerResponse(adjust=adjust, update=updates)
+        adjust: AdjustmentReply
+        updates: Sequence[UpdateReply] = ()
+        evictions: Sequence[api.ContainerEviction] = ()
+        if isinstance(result, tuple):
+            adjust, updates, *rest = result
+            evictions = rest[0] if rest else ()
+        else:
+            adjust = result
+        if isinstance(adjust, Adjustment):
+            adjust = adjust.message
+        reply = api.CreateContainerResponse(
+            adjust=adjust, update=_updates(updates), evict=evictions
+        )
         return reply.SerializeToString()
 
     async def _post_create_container(self, payload: bytes, ctx: RequestContext) -> bytes:
@@ -470,7 +496,7 @@ class Stub:
         updates = await self.plugin.update_container(
             request.pod, request.container, request.linux_resources
         )
-        return api.UpdateContainerResponse(update=updates or ()).SerializeToString()
+        return api.UpdateContainerResponse(update=_updates(updates)).SerializeToString()
 
     async def _post_update_container(self, payload: bytes, ctx: RequestContext) -> bytes:
         request = _parse(api.PostUpdateContainerRequest, payload)
@@ -480,7 +506,7 @@ class Stub:
     async def _stop_container(self, payload: bytes, ctx: RequestContext) -> bytes:
         request = _parse(api.StopContainerRequest, payload)
         updates = await self.plugin.stop_container(request.pod, request.container)
-        return api.StopContainerResponse(update=updates or ()).SerializeToString()
+        return api.StopContainerResponse(update=_updates(updates)).SerializeToString()
 
     async def _remove_container(self, payload: bytes, ctx: RequestContext) -> bytes:
         request = _parse(api.RemoveContainerRequest, payload)

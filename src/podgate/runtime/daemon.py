@@ -113,6 +113,7 @@ async def running_runtime(config: RuntimeConfig) -> AsyncIterator[RunningRuntime
             sync=lambda: runtime_nri.snapshot(runtime.list_pods(), runtime.list_containers()),
         )
         runtime_nri = RuntimeNri(adaptation, network=config.nri_network)
+        adaptation.update_handler = runtime_nri  # plugins' container updates reach the runtime
         runtime.nri = runtime_nri
         await adaptation.start()
         log.info("NRI on unix://%s", config.nri.socket_path)

@@ -3,13 +3,21 @@
 The order follows containerd (reference §8.2) with one change that NRI-owned networking needs:
 `StopPodSandbox` goes out after the containers stop but *before* the pod's namespaces are
 released, so network plugins tear down while the netns still exists (containerd runs CNI there
-instead). With NRI networking on, `RunPodSandbox` is followed by `PodSandboxStatus` before the
-pod is Ready, so the IPs are known (and recorded) when RunPodSandbox returns; CRI
-PodSandboxStatus asks again through a short cache, since the kubelet polls it.
+instead). With NRI networking on, each network plugin is asked `PodSandboxStatus` right after
+its `RunPodSandbox`, and the plugins after it in index order get RunPodSandbox with the IPs
+found so far — containerd runs CNI before NRI's RunPodSandbox, so its plugins all see the IPs;
+here the network plugins are NRI plugins themselves, so only those ordered before them see
+none. The IPs are recorded before the pod is Ready; CRI PodSandboxStatus asks again through a
+short cache, since the kubelet polls it.
 
 PodSandboxStatus merge policy (containerd/nri #267, revision 2): the first non-empty `ip` in
 plugin index order is the pod IP; later plugins' `ip` and every `additional_ips` entry follow in
 order, duplicates dropped.
+
+Nothing a plugin sets is dropped: after merging and validation, CreateContainer fails with the
+plugin and the field named when the adjustment touches a field outside
+`convert.APPLIED_FIELDS`. Container updates plugins ask for come to `update_containers`, the
+seam where resource updates will be applied; today it refuses them as not supported.
 """
 
 from __future__ import annotations
@@ -22,6 +30,8 @@ from typing import Any, Protocol
 from podgate.model import ContainerRecord, PodRecord, PodState
 from podgate.nri import api_pb2 as api
 from podgate.nri import convert
+from podgate.nri.adaptation import UpdatesNotSupportedError
+from podgate.nri.merge import MergeResult, UnappliedAdjustmentError, unapplied
 from podgate.runtime.api import FailedPreconditionError
 from podgate.runtime.sandbox import lifecycle as sandbox
 
@@ -35,13 +45,31 @@ STATUS_CACHE_SECONDS = 2.0
 class NriAdaptation(Protocol):
     """What the runtime needs from the NRI adaptation (podgate.nri.adaptation.Adaptation)."""
 
-    async def run_pod_sandbox(self, pod: api.PodSandbox) -> None: ...
+    async def run_pod_sandbox(
+        self, pod: api.PodSandbox, *, network: bool = False
+    ) -> tuple[str, list[str]]: ...
     async def stop_pod_sandbox(self, pod: api.PodSandbox) -> None: ...
     async def remove_pod_sandbox(self, pod: api.PodSandbox) -> None: ...
     async def pod_sandbox_status(self, pod: api.PodSandbox) -> tuple[str, list[str]]: ...
+    async def update_pod_sandbox(
+        self,
+        pod: api.PodSandbox,
+        overhead: api.LinuxResources | None = None,
+        resources: api.LinuxResources | None = None,
+    ) -> None: ...
+    async def post_update_pod_sandbox(self, pod: api.PodSandbox) -> None: ...
     async def create_container(
         self, pod: api.PodSandbox, container: api.Container
-    ) -> api.ContainerAdjustment: ...
+    ) -> MergeResult: ...
+    async def update_container(
+        self,
+        pod: api.PodSandbox,
+        container: api.Container,
+        resources: api.LinuxResources | None = None,
+    ) -> list[api.ContainerUpdate]: ...
+    async def post_update_container(
+        self, pod: api.PodSandbox, container: api.Container
+    ) -> None: ...
     async def post_create_container(
         self, pod: api.PodSandbox, container: api.Container
     ) -> None: ...
@@ -81,9 +109,8 @@ class RuntimeNri:
         """
         message = self.pod_message(pod)
         try:
-            await self.adaptation.run_pod_sandbox(message)
+            ip, additional = await self.adaptation.run_pod_sandbox(message, network=self.network)
             if self.network:
-                ip, additional = await self.adaptation.pod_sandbox_status(message)
                 pod.ip, pod.additional_ips = ip, list(additional)
                 self._status_cache[pod.id] = (time.monotonic(), ip, list(additional))
         except Exception:
@@ -118,10 +145,61 @@ class RuntimeNri:
     # ------------------------------------------------------------------ containers
     async def container_creating(self, pod: PodRecord, container: ContainerRecord) -> None:
         """Plugins adjust the container before it is recorded; conflicts fail the creation."""
-        adjust = await self.adaptation.create_container(
+        result = await self.adaptation.create_container(
             self.pod_message(pod), convert.container(container)
         )
-        convert.apply_adjustment(container.spec, container.annotations, adjust)
+        refused = unapplied(result.claims, convert.APPLIED_FIELDS)
+        if refused:
+            raise UnappliedAdjustmentError(refused)
+        convert.apply_adjustment(container.spec, container.annotations, result.adjust)
+
+    async def container_updating(
+        self, pod: PodRecord, container: ContainerRecord, resources: api.LinuxResources
+    ) -> None:
+        """A container's resources change (CRI UpdateContainerResources): UpdateContainer,
+        the merged updates applied, then PostUpdateContainer, in upstream's order."""
+        pod_message, message = self.pod_message(pod), convert.container(container)
+        updates = await self.adaptation.update_container(pod_message, message, resources)
+        failed = await self.update_containers(updates)
+        if any(not update.ignore_failure for update in failed):
+            raise UpdatesNotSupportedError(f"failed to update container {container.id}")
+        await self._quietly(
+            "PostUpdateContainer", self.adaptation.post_update_container, pod_message, message
+        )
+
+    async def pod_updating(
+        self,
+        pod: PodRecord,
+        overhead: api.LinuxResources | None,
+        resources: api.LinuxResources | None,
+    ) -> None:
+        """A pod's resources change (CRI UpdatePodSandboxResources): UpdatePodSandbox before
+        the change, PostUpdatePodSandbox after, as upstream."""
+        message = self.pod_message(pod)
+        await self.adaptation.update_pod_sandbox(message, overhead, resources)
+        await self._quietly(
+            "PostUpdatePodSandbox", self.adaptation.post_update_pod_sandbox, message
+        )
+
+    # ------------------------------------------------------------------ updates (the seam)
+    async def update_containers(
+        self, updates: Sequence[api.ContainerUpdate]
+    ) -> list[api.ContainerUpdate]:
+        """Apply plugins' container updates; returns those that failed. Not supported yet:
+        podgate does not change a created container's resources."""
+        if not updates:
+            return []
+        ids = ", ".join(update.container_id for update in updates)
+        raise UpdatesNotSupportedError(
+            f"updating container resources ({ids}) is not supported by this runtime yet"
+        )
+
+    async def evict_containers(self, evictions: Sequence[api.ContainerEviction]) -> None:
+        if evictions:
+            ids = ", ".join(eviction.container_id for eviction in evictions)
+            raise UpdatesNotSupportedError(
+                f"evicting containers ({ids}) is not supported by this runtime yet"
+            )
 
     async def container_created(self, pod: PodRecord, container: ContainerRecord) -> None:
         await self._quietly(

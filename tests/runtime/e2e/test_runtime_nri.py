@@ -324,6 +324,22 @@ async def test_both_plugins_give_ips_in_index_order() -> None:
             )
 
 
+async def test_a_plugin_after_the_network_plugin_sees_the_ips_at_run_pod_sandbox() -> None:
+    # containerd hands every NRI plugin the CNI IPs at RunPodSandbox; here the network is an NRI
+    # plugin (cni, index 10), and the logger (index 20) after it sees its IPs there too.
+    with nri_runtime(["cni", "logger"]) as run:
+        async with run.pods() as (pods, rt):
+            pod = await pods.run("seen")
+            ips = await pod_ips(rt, pod)
+            lines = [
+                json.loads(line) for line in (run.state / "events.jsonl").read_text().splitlines()
+            ]
+            [run_pod] = [
+                e for e in lines if e["pod_id"] == pod.id and e["event"] == "RunPodSandbox"
+            ]
+            assert ips and run_pod["ips"] == ips
+
+
 async def test_logger_sees_every_event_in_order() -> None:
     with nri_runtime(["logger"], extra=["--network", "none"]) as run:
         events_file = run.state / "events.jsonl"
@@ -401,8 +417,7 @@ async def test_two_plugins_setting_one_env_variable_fail_create_container() -> N
                 error = await rpc_error(pods.create(pod, "c", ["sleep", "600"], start=False))
                 # The plugin asking second is named first, as upstream words it.
                 assert (
-                    'plugins "41-envb" and "40-enva" both tried to set environment variable "FOO"'
-                    in error.details()
+                    'plugins "41-envb" and "40-enva" both tried to set Env FOO' in error.details()
                 )
                 listed = await rt.ListContainers(pb.ListContainersRequest())
                 assert [c for c in listed.containers if c.pod_sandbox_id == pod.id] == []
@@ -446,6 +461,45 @@ async def test_plugin_mount_and_annotation_reach_the_container(tmp_path: Path) -
             assert [(m.host_path, m.container_path, m.readonly) for m in status.mounts] == [
                 (str(shared), "/mnt", True)
             ]
+
+
+# The sample adjusting plugin built with the SDK, run as an external plugin.
+ULIMITS_PLUGIN = r"""
+import sys
+from podgate.nri.plugins.ulimits import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+async def annotated_pod(pods: Pods, name: str, annotations: dict[str, str]) -> Pod:
+    config = pb.PodSandboxConfig(
+        metadata=pb.PodSandboxMetadata(name=name, namespace="e2e", uid=f"{name}-uid"),
+        annotations=annotations,
+    )
+    response = await pods.rt.RunPodSandbox(pb.RunPodSandboxRequest(config=config))
+    pods.created.append(response.pod_sandbox_id)
+    return Pod(response.pod_sandbox_id, config)
+
+
+async def test_an_adjustment_podgate_cannot_apply_fails_create_naming_plugin_and_field() -> None:
+    with (
+        nri_runtime([], extra=["--network", "none"]) as run,
+        external_plugin(run, ULIMITS_PLUGIN, "ulimits", "30"),
+    ):
+        async with run.pods() as (pods, rt):
+            limits = "- type: nofile\n  hard: 4096\n  soft: 1024\n"
+            key = "ulimits.noderesource.dev/container.c"
+            pod = await annotated_pod(pods, "limited", {key: limits})
+            error = await rpc_error(pods.create(pod, "c", ["sleep", "600"], start=False))
+            assert (
+                'plugin "30-ulimits" set Rlimits RLIMIT_NOFILE, which this runtime cannot apply '
+                "to containers yet" in error.details()
+            )
+            listed = await rt.ListContainers(pb.ListContainersRequest())
+            assert [c for c in listed.containers if c.pod_sandbox_id == pod.id] == []
+            # A container the plugin leaves alone is created as usual.
+            other = await pods.create(pod, "other", ["sleep", "600"], start=False)
+            assert other
 
 
 async def test_plugin_that_never_answers_is_dropped() -> None:

@@ -4,7 +4,8 @@ With an events file (`--events-file PATH`, `$NRI_LOGGER_EVENTS_FILE`, or `events
 the config text the runtime passes to Configure) it also appends one JSON object per event,
 flushed per line, so the order of events can be checked:
 
-    {"event": "RunPodSandbox", "pod": "ns/name", "pod_id": "…", "container": "", "container_id": ""}
+    {"event": "RunPodSandbox", "pod": "ns/name", "pod_id": "…", "container": "", "container_id": "",
+     "ips": ["10.88.0.2"]}
 
 It subscribes to every event except ValidateContainerAdjustment (a logger must not become a
 validator), including the PodSandboxStatus extension. Run: `python -m podgate.nri.plugins.logger`.
@@ -62,6 +63,7 @@ class Logger(Plugin):
             "pod_id": pod.id,
             "container": container.name if container is not None else "",
             "container_id": container.id if container is not None else "",
+            "ips": list(pod.ips),
         }
         suffix = f" container {container.name} ({container.id})" if container is not None else ""
         log.info("%s: pod %s (%s)%s", event, line["pod"], pod.id, suffix)

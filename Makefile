@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-DEBS := socat iproute2 procps util-linux containerd runc busybox-static containernetworking-plugins dnsmasq-base iptables
+DEBS := socat iproute2 procps util-linux containerd runc busybox-static containernetworking-plugins dnsmasq-base iptables docker-registry
 PYTEST_ARGS ?=
 STATE_DIR ?= /var/lib/podgate
 

@@ -27,7 +27,7 @@ import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Any, Final, Protocol
 from urllib.parse import urlencode, urljoin, urlsplit
 
 import httpx
@@ -74,6 +74,14 @@ _REDIRECT_CODES: Final = frozenset({301, 302, 303, 307, 308})
 _CONTENT_RANGE: Final = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
 
 ProgressCallback = Callable[[int], None]
+
+
+class Observer(Protocol):
+    """Sees every request sent and every response head received (metrics, tests)."""
+
+    def request(self, request: httpx.Request) -> None: ...
+
+    def response(self, response: httpx.Response) -> None: ...
 
 
 class RegistryError(Exception):
@@ -178,10 +186,10 @@ class RegistryClient:
         self,
         config: RegistryConfig | None = None,
         *,
-        transport: httpx.AsyncBaseTransport | None = None,
+        observer: Observer | None = None,
     ) -> None:
         self.config = config or RegistryConfig()
-        self._transport = transport
+        self._observer = observer
         self._clients: dict[tuple[str, bool], httpx.AsyncClient] = {}
         # Endpoints found to speak plain HTTP (after the loopback fallback).
         self._plain: set[tuple[str, str]] = set()
@@ -234,10 +242,23 @@ class RegistryClient:
                 # No proxies or netrc from the environment: only what the config says.
                 trust_env=False,
                 headers={"User-Agent": USER_AGENT},
-                transport=self._transport,
+                event_hooks=self._hooks(),
             )
             self._clients[key] = client
         return client
+
+    def _hooks(self) -> dict[str, list[Callable[..., Any]]]:
+        observer = self._observer
+        if observer is None:
+            return {}
+
+        async def on_request(request: httpx.Request) -> None:
+            observer.request(request)
+
+        async def on_response(response: httpx.Response) -> None:
+            observer.response(response)
+
+        return {"request": [on_request], "response": [on_response]}
 
     def _scheme(self, ep: Endpoint) -> str:
         return "http" if (ep.scheme, ep.host) in self._plain else ep.scheme

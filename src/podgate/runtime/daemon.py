@@ -18,6 +18,8 @@ from podgate.backends.agent import AgentBackend
 from podgate.backends.base import Backend, Backends, BackendUnavailableError
 from podgate.backends.exec import ExecBackend
 from podgate.backends.netns import NetnsBackend
+from podgate.images.config import FileConfig
+from podgate.images.store import DEFAULT_MAX_LAYER_BYTES, ImageStore
 from podgate.model import PodRecord
 from podgate.nri.adaptation import Adaptation, NriConfig
 from podgate.runtime.cri.service import serve_cri, stop_cri
@@ -64,6 +66,7 @@ class RuntimeConfig:
     backends: dict[str, list[str]] = field(default_factory=default_backends)
     nri: NriConfig | None = None  # None: no NRI at all
     nri_network: bool = False  # NRI plugins own pod networking (else loopback only)
+    file: FileConfig = field(default_factory=FileConfig)  # `--config FILE`: images, registries
 
     @property
     def cri_socket_path(self) -> str:
@@ -73,6 +76,7 @@ class RuntimeConfig:
 @dataclass(slots=True)
 class RunningRuntime:
     runtime: Runtime
+    images: ImageStore
     target: RuntimeTarget
     streaming: StreamingServer
     cri_socket: str
@@ -83,6 +87,12 @@ async def running_runtime(config: RuntimeConfig) -> AsyncIterator[RunningRuntime
     """Start everything; stop the servers (not the pods) on exit."""
     runtime = Runtime(config.state_dir)
     runtime.load()
+    # Loading the image store also removes what an interrupted pull or import left behind.
+    images = await asyncio.to_thread(
+        ImageStore,
+        config.state_dir,
+        getattr(config.file.images, "max_layer_bytes", DEFAULT_MAX_LAYER_BYTES),
+    )
     netns = NetnsBackend()
 
     async def restart_shim(pod: PodRecord) -> None:
@@ -117,10 +127,10 @@ async def running_runtime(config: RuntimeConfig) -> AsyncIterator[RunningRuntime
         runtime.nri = runtime_nri
         await adaptation.start()
         log.info("NRI on unix://%s", config.nri.socket_path)
-    cri = await serve_cri(runtime, config.cri_socket_path, image_fs_path=config.state_dir)
+    cri = await serve_cri(runtime, config.cri_socket_path, images=images)
     log.info("CRI on unix://%s, streaming on %s", config.cri_socket_path, streaming.base_url)
     try:
-        yield RunningRuntime(runtime, target, streaming, config.cri_socket_path)
+        yield RunningRuntime(runtime, images, target, streaming, config.cri_socket_path)
     finally:
         await stop_cri(cri, config.cri_socket_path)
         if adaptation is not None:

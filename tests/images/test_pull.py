@@ -1,0 +1,285 @@
+"""The Puller end to end in-process: a real docker-registry, the real image store."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+from registry_support import (
+    LoopbackCA,
+    Pusher,
+    Registry,
+    ThrottlingProxy,
+    busybox_image,
+    make_image,
+    make_index,
+    noise,
+    push_image,
+    running_registry,
+)
+
+from podgate.images.config import Credentials, Endpoint, RegistryConfig, RegistryHost
+from podgate.images.manifests import Descriptor
+from podgate.images.platforms import host_platform
+from podgate.images.pull import Puller
+from podgate.images.registry import AuthError, NotFoundError, VerificationError
+from podgate.images.store import ImageStore
+
+USER, PASSWORD = "puller", "pull-pass"
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
+    with running_registry(tmp_path_factory.mktemp("pullreg") / "reg") as reg:
+        yield reg
+
+
+def blob_gets(registry: Registry, repo: str) -> list[str]:
+    return [
+        uri
+        for method, uri in registry.requests()
+        if method == "GET" and f"/v2/{repo}/blobs/" in uri
+    ]
+
+
+def files_under(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file() or p.is_symlink())
+
+
+class Recording:
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.layers_done: list[str] = []
+        self.layers: list[Descriptor] = []
+        self.unpacked = False
+
+    def resolved(self, reference: str, digest: str, layers: Sequence[Descriptor]) -> None:
+        self.layers = list(layers)
+
+    def advanced(self, digest: str, nbytes: int) -> None:
+        self.bytes += nbytes
+
+    def layer_done(self, digest: str, cached: bool) -> None:
+        self.layers_done.append(digest)
+
+    def unpacking(self) -> None:
+        self.unpacked = True
+
+
+async def test_pull_by_tag_registers_an_unpacked_image(registry: Registry, tmp_path: Path) -> None:
+    image = busybox_image(label="pull-tag")
+    push_image(registry, "pull/tag", "v1", image)
+    store = ImageStore(tmp_path / "state")
+    puller = Puller(store)
+    seen = Recording()
+    try:
+        rec = await puller.pull_image(f"{registry.host}/pull/tag:v1", progress=seen)
+    finally:
+        await puller.aclose()
+    assert rec.id == image.config_digest
+    assert rec.repo_tags == [f"{registry.host}/pull/tag:v1"]
+    assert rec.repo_digests == [f"{registry.host}/pull/tag@{image.digest}"]
+    assert rec.size > 0
+    assert store.get(f"{registry.host}/pull/tag:v1") == rec
+    assert store.get(rec.id) == rec
+    # The unpacked root holds busybox byte for byte.
+    dirs = store.lowerdirs(rec.id)
+    found = [d / "bin/busybox" for d in dirs if (d / "bin/busybox").exists()]
+    assert found and found[0].read_bytes() == Path("/bin/busybox").read_bytes()
+    assert seen.bytes == sum(len(layer.blob) for layer in image.layers)
+    assert sorted(seen.layers_done) == sorted(layer.digest for layer in image.layers)
+    assert seen.unpacked
+    for digest, data in image.blobs():
+        assert store.content.blob_path(digest).read_bytes() == data
+    assert store.content.ingests() == []
+
+
+async def test_pull_by_digest_records_the_requested_name(
+    registry: Registry, tmp_path: Path
+) -> None:
+    image = busybox_image(docker=True, label="pull-digest")
+    push_image(registry, "pull/digest", "v1", image)
+    store = ImageStore(tmp_path / "state")
+    puller = Puller(store)
+    try:
+        image_id = await puller.pull(f"{registry.host}/pull/digest@{image.digest}")
+    finally:
+        await puller.aclose()
+    rec = store.get(image_id)
+    assert rec is not None
+    assert rec.repo_tags == []
+    assert rec.repo_digests == [f"{registry.host}/pull/digest@{image.digest}"]
+
+
+async def test_pull_from_a_manifest_list_takes_the_host_platform(
+    registry: Registry, tmp_path: Path
+) -> None:
+    node = host_platform()
+    foreign = "arm64" if node.architecture != "arm64" else "amd64"
+    native = busybox_image(docker=True, architecture=node.architecture, label="list-native")
+    other = make_image([{"etc/foreign": noise("foreign", 4096)}], docker=True, architecture=foreign)
+    index = make_index([other, native], docker=True)
+    pusher = Pusher(registry)
+    try:
+        pusher.index("pull/list", "multi", index)
+    finally:
+        pusher.close()
+    store = ImageStore(tmp_path / "state")
+    puller = Puller(store)
+    try:
+        rec = await puller.pull_image(f"{registry.host}/pull/list:multi")
+    finally:
+        await puller.aclose()
+    assert rec.id == native.config_digest
+    # The repo digest is the index's, as the registry served it.
+    assert rec.repo_digests == [f"{registry.host}/pull/list@{index.digest}"]
+    assert store.content.has(index.digest)
+    assert not store.content.has(other.config_digest)
+    assert not store.content.has(other.layers[0].digest)
+
+
+async def test_missing_image_is_not_found_as_containerd_words_it(
+    registry: Registry, tmp_path: Path
+) -> None:
+    store = ImageStore(tmp_path / "state")
+    puller = Puller(store)
+    ref = f"{registry.host}/pull/absent:v9"
+    try:
+        with pytest.raises(NotFoundError) as info:
+            await puller.pull(ref)
+    finally:
+        await puller.aclose()
+    assert str(info.value) == (
+        f'failed to pull and unpack image "{ref}": failed to resolve reference "{ref}": '
+        f"{ref}: not found"
+    )
+
+
+async def test_tampered_layer_fails_the_pull_and_leaves_nothing(
+    registry: Registry, tmp_path: Path
+) -> None:
+    image = busybox_image(label="pull-tampered", extra={"etc/junk": noise("tamper", 50_000)})
+    push_image(registry, "pull/tampered", "v1", image)
+    data_file = registry.blob_data_path(image.layers[1].digest)
+    raw = bytearray(data_file.read_bytes())
+    raw[100] ^= 0x01
+    data_file.write_bytes(bytes(raw))
+    store = ImageStore(tmp_path / "state")
+    puller = Puller(store)
+    try:
+        with pytest.raises(VerificationError, match="digest mismatch"):
+            await puller.pull(f"{registry.host}/pull/tampered:v1")
+    finally:
+        await puller.aclose()
+    assert store.get(f"{registry.host}/pull/tampered:v1") is None
+    assert store.images() == []
+    # Garbage collection after the failed pull leaves no blob, no ingest, no snapshot.
+    assert store.content.digests() == []
+    assert store.content.ingests() == []
+    assert store.snapshots.ids() == []
+
+
+async def test_concurrent_pulls_share_one_download(registry: Registry, tmp_path: Path) -> None:
+    image = busybox_image(label="pull-shared", extra={"data": noise("shared", 300_000)})
+    push_image(registry, "pull/shared", "v1", image)
+    before = len(blob_gets(registry, "pull/shared"))
+    store = ImageStore(tmp_path / "state")
+    puller = Puller(store)
+    try:
+        ids = await asyncio.gather(
+            *(puller.pull(f"{registry.host}/pull/shared:v1") for _ in range(5))
+        )
+    finally:
+        await puller.aclose()
+    assert set(ids) == {image.config_digest}
+    gets = blob_gets(registry, "pull/shared")[before:]
+    assert sorted(gets) == sorted(f"/v2/pull/shared/blobs/{d}" for d, _ in image.blobs())
+
+
+async def test_cancelled_pull_leaves_no_image_and_the_next_pull_resumes(
+    registry: Registry, tmp_path: Path
+) -> None:
+    big = noise("slow", 3 * 1024 * 1024)
+    image = make_image([{"bin/busybox": Path("/bin/busybox").read_bytes()}, {"big": big}])
+    push_image(registry, "pull/slow", "v1", image)
+    proxy = ThrottlingProxy(registry.port, rate=512 * 1024)
+    store = ImageStore(tmp_path / "state")
+    ref = f"{proxy.host}/pull/slow:v1"
+    seen = Recording()
+    puller = Puller(store)
+    try:
+        task = asyncio.create_task(puller.pull_image(ref, progress=seen))
+        # Cancel once part of a layer has arrived (bounded wait).
+        for _ in range(600):
+            if seen.bytes > 256 * 1024:
+                break
+            await asyncio.sleep(0.05)
+        assert 0 < seen.bytes < sum(len(layer.blob) for layer in image.layers)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert store.get(ref) is None and store.images() == []
+        partial = store.content.ingests()
+        assert partial, "the interrupted download left no partial ingest to resume"
+        proxy.rate = None
+        rec = await puller.pull_image(ref)
+    finally:
+        await puller.aclose()
+        proxy.close()
+    assert rec.id == image.config_digest
+    assert store.content.ingests() == []
+    for digest, data in image.blobs():
+        assert (
+            hashlib.sha256(store.content.blob_path(digest).read_bytes()).hexdigest() == digest[7:]
+        )
+        assert len(data) == store.content.size(digest)
+
+
+async def test_wrong_password_names_the_registry(tmp_path: Path) -> None:
+    ca = LoopbackCA.create(tmp_path / "ca")
+    with running_registry(tmp_path / "reg", tls=ca, users={USER: PASSWORD}) as reg:
+        push_image(
+            reg,
+            "pull/private",
+            "v1",
+            busybox_image(label="private"),
+            username=USER,
+            password=PASSWORD,
+        )
+        config = RegistryConfig({reg.host: RegistryHost(reg.host, ca_file=str(ca.ca_file))})
+        store = ImageStore(tmp_path / "state")
+        puller = Puller(store, config)
+        try:
+            with pytest.raises(AuthError) as info:
+                await puller.pull(f"{reg.host}/pull/private:v1", Credentials(USER, "bad"))
+            assert reg.host in str(info.value)
+            # The request's credentials win over none configured, and work when right.
+            image_id = await puller.pull(f"{reg.host}/pull/private:v1", Credentials(USER, PASSWORD))
+        finally:
+            await puller.aclose()
+        assert store.get(image_id) is not None
+
+
+async def test_docker_hub_name_through_a_loopback_mirror(
+    registry: Registry, tmp_path: Path
+) -> None:
+    image = busybox_image(label="hub")
+    push_image(registry, "library/hubtest", "latest", image)
+    config = RegistryConfig(
+        {
+            "docker.io": RegistryHost(
+                "docker.io", mirrors=(Endpoint("http", registry.host, mirror=True),), origin=False
+            )
+        }
+    )
+    store = ImageStore(tmp_path / "state")
+    puller = Puller(store, config)
+    try:
+        rec = await puller.pull_image("hubtest")
+    finally:
+        await puller.aclose()
+    assert rec.repo_tags == ["docker.io/library/hubtest:latest"]
+    assert rec.repo_digests == [f"docker.io/library/hubtest@{image.digest}"]

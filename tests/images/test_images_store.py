@@ -249,3 +249,25 @@ def test_import_refuses_non_archives(tmp_path: Path) -> None:
     with pytest.raises(Exception, match="malformed"):
         import_archive(store, tmp_path / "d")
     assert store.images() == [] and list(store.root.glob(".tmp-*")) == []
+
+
+def test_two_store_instances_share_one_directory(tmp_path: Path) -> None:
+    # The daemon's store and `podgate images import --state-dir` in another process.
+    daemon = ImageStore(tmp_path)
+    cli = ImageStore(tmp_path)
+    old = _image("old")
+    _store_blobs(daemon, old)
+    daemon.register(old.manifest_digest, ["old:1"])
+    new = _image("new")
+    with cli.ingesting():
+        _store_blobs(cli, new)
+        # The daemon removes an image (and collects garbage) while the import is in flight:
+        # the import's unnamed blobs survive, and a third instance starting now cleans nothing.
+        assert daemon.remove("old:1") is not None
+        assert all(daemon.content.has(d) for d in new.blobs)
+        assert ImageStore(tmp_path).recovered == 0
+        cli.register(new.manifest_digest, ["new:1"])
+    rec = daemon.get("new:1")
+    assert rec is not None and rec.id == new.config_digest
+    assert [r.id for r in daemon.images()] == [new.config_digest]
+    assert not daemon.content.has(old.manifest_digest)

@@ -17,6 +17,7 @@ else a normalised name (tag or ``name@digest``), else a unique ID prefix.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -59,6 +60,9 @@ MANIFEST_TYPES: Final = frozenset(
         "application/vnd.docker.distribution.manifest.v2+json",
     }
 )
+# How long after a records change the cache is re-read anyway: file system timestamps come
+# from a clock that ticks every few milliseconds, so two changes can share one mtime.
+MTIME_SETTLE_NS: Final = 2_000_000_000
 _UID_RE: Final = re.compile(r"^[0-9]+$")
 _HEX_PREFIX_RE: Final = re.compile(r"^(?:sha256:)?([a-f0-9]{1,64})$")
 
@@ -171,39 +175,97 @@ class ImageStore:
         self.snapshots = SnapshotStore(self.root / "snapshots")
         self.max_layer_bytes = max_layer_bytes
         self.pinned = {str(parse_normalized(p)) for p in pinned}
-        # One writer at a time: gRPC handlers run register/remove in worker threads.
+        # Writers are serialised twice: an RLock between the daemon's worker threads and an
+        # flock on `lock` between processes (`podgate images import --state-dir` next to a
+        # running daemon). Pulls and imports in flight hold `ingest.lock` shared from their
+        # first blob to register(): their blobs are named by no record yet, so garbage
+        # collection and crash cleanup run only when they get it exclusively.
         self._lock = threading.RLock()
+        self._depth = 0
+        self._flock_fd = -1
         self._records: dict[str, ImageRecord] = {}
-        # Pulls and imports in flight: their blobs are named by no record yet, so garbage
-        # collection waits until none is running.
+        self._records_mtime = -1
         self._busy = 0
         self.recovered = self.recover()
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        with self._lock:
+            if self._depth == 0:
+                self._flock_fd = os.open(self.root / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC)
+                fcntl.flock(self._flock_fd, fcntl.LOCK_EX)
+            self._depth += 1
+            try:
+                self._refresh()
+                yield
+            finally:
+                self._depth -= 1
+                if self._depth == 0:
+                    os.close(self._flock_fd)  # releases the flock
+                    self._flock_fd = -1
+
+    @contextlib.contextmanager
+    def _no_ingest_running(self) -> Iterator[bool]:
+        """True when no pull or import (here or in another process) is in flight."""
+        if self._busy:
+            yield False
+            return
+        fd = os.open(self.root / "ingest.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                yield False
+                return
+            yield True
+        finally:
+            os.close(fd)
+
+    def _refresh(self) -> None:
+        """Reload the records when another process changed them."""
+        mtime = self.records_dir.stat().st_mtime_ns
+        # Directory mtimes tick coarsely: a change in the last moments may not show yet.
+        if mtime == self._records_mtime and time.time_ns() - mtime > MTIME_SETTLE_NS:
+            return
+        self._records_mtime = mtime
+        records: dict[str, ImageRecord] = {}
+        for p in self.records_dir.glob("*.json"):
+            if p.name.startswith("."):
+                continue
+            try:
+                rec = ImageRecord.from_json(json.loads(p.read_text()))
+            except FileNotFoundError:
+                continue
+            except (ValueError, TypeError, KeyError) as e:
+                log.warning("ignoring unreadable image record %s: %s", p, e)
+                continue
+            records[rec.id] = rec
+        self._records = records
 
     # -- start-up --------------------------------------------------------------------------------
 
     def recover(self) -> int:
-        """Drop what a crash left half-done; returns how many leftovers were removed."""
-        with self._lock:
+        """Drop what a crash left half-done; returns how many leftovers were removed.
+
+        Skipped (0) while another process is pulling or importing into the same store.
+        """
+        with self._locked(), self._no_ingest_running() as idle:
+            if not idle:
+                return 0
             n = 0
             for p in self.records_dir.iterdir():
                 if p.name.startswith(".") or not p.name.endswith(".json"):
                     p.unlink(missing_ok=True)  # an atomic write that never got renamed
                     n += 1
-                    continue
-                try:
-                    rec = ImageRecord.from_json(json.loads(p.read_text()))
-                except (ValueError, TypeError, KeyError) as e:
-                    log.warning("dropping unreadable image record %s: %s", p, e)
-                    p.unlink(missing_ok=True)
+                elif "sha256:" + p.stem not in self._records:
+                    p.unlink(missing_ok=True)  # unreadable: _refresh() logged why
                     n += 1
-                    continue
-                self._records[rec.id] = rec
             for p in self.root.glob(".tmp-*"):  # an import's extraction directory
                 shutil.rmtree(p, ignore_errors=True)
                 n += 1
             n += self.content.clean_ingests()
             n += self.snapshots.clean()
-            n += self._gc()
+            n += self._collect()
             if n:
                 log.info("image store: removed %d leftovers of an interrupted operation", n)
             return n
@@ -211,12 +273,12 @@ class ImageStore:
     # -- lookups ---------------------------------------------------------------------------------
 
     def images(self) -> list[ImageRecord]:
-        with self._lock:
+        with self._locked():
             return sorted(self._records.values(), key=lambda r: r.created_ns)
 
     def get(self, ref: str) -> ImageRecord | None:
         """Resolve an ID, a name (normalised) or a unique ID prefix; None when unknown."""
-        with self._lock:
+        with self._locked():
             if is_image_id(ref):
                 return self._records.get(ref)
             try:
@@ -291,7 +353,7 @@ class ImageStore:
         Unpacks missing layers first; the record is written last, in one atomic rename. A tag
         that named another image moves here; an image left with no name at all is removed.
         """
-        with self._lock:
+        with self._locked():
             manifest, config, config_digest = self._read_manifest(manifest_digest)
             chain = self.unpack(manifest_digest)
             layers = [d["digest"] for d in manifest.get("layers") or []]
@@ -360,7 +422,7 @@ class ImageStore:
 
     def remove(self, ref: str) -> ImageRecord | None:
         """RemoveImage: resolve `ref`, drop every name of that image, collect garbage."""
-        with self._lock:
+        with self._locked():
             rec = self.get(ref)
             if rec is None:
                 return None
@@ -370,7 +432,7 @@ class ImageStore:
 
     def untag(self, ref: str) -> ImageRecord | None:
         """Drop one name; the image goes with its last name."""
-        with self._lock:
+        with self._locked():
             rec = self.get(ref)
             if rec is None:
                 return None
@@ -388,20 +450,27 @@ class ImageStore:
     @contextlib.contextmanager
     def ingesting(self) -> Iterator[None]:
         """Held by a pull or an import from its first blob to `register()`: defers GC."""
-        with self._lock:
-            self._busy += 1
+        fd = os.open(self.root / "ingest.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC)
         try:
-            yield
-        finally:
+            fcntl.flock(fd, fcntl.LOCK_SH)
             with self._lock:
-                self._busy -= 1
-                if self._busy == 0:
-                    self._gc()
+                self._busy += 1
+            try:
+                yield
+            finally:
+                with self._lock:
+                    self._busy -= 1
+        finally:
+            os.close(fd)
+            with self._locked():
+                self._gc()  # also after a failed pull: its blobs are garbage now
 
     def _gc(self) -> int:
         """Delete blobs and snapshots no record (and no container lease) uses."""
-        if self._busy:
-            return 0
+        with self._no_ingest_running() as idle:
+            return self._collect() if idle else 0
+
+    def _collect(self) -> int:
         blobs: set[str] = set()
         snaps: set[str] = set()
         for rec in self._records.values():
@@ -418,7 +487,7 @@ class ImageStore:
         return n
 
     def gc(self) -> int:
-        with self._lock:
+        with self._locked():
             return self._gc()
 
     # -- usage -----------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from podgate.backends.base import Backend, Backends, BackendUnavailableError
 from podgate.backends.exec import ExecBackend
 from podgate.backends.netns import NetnsBackend
 from podgate.images.config import FileConfig
+from podgate.images.pull import Puller
 from podgate.images.store import DEFAULT_MAX_LAYER_BYTES, ImageStore
 from podgate.model import PodRecord
 from podgate.nri.adaptation import Adaptation, NriConfig
@@ -91,7 +92,12 @@ async def running_runtime(config: RuntimeConfig) -> AsyncIterator[RunningRuntime
     images = await asyncio.to_thread(
         ImageStore,
         config.state_dir,
-        getattr(config.file.images, "max_layer_bytes", DEFAULT_MAX_LAYER_BYTES),
+        config.file.images.max_layer_bytes or DEFAULT_MAX_LAYER_BYTES,
+    )
+    puller = Puller(
+        images,
+        config.file.registries,
+        max_concurrent_downloads=config.file.images.max_concurrent_downloads,
     )
     netns = NetnsBackend()
 
@@ -127,12 +133,13 @@ async def running_runtime(config: RuntimeConfig) -> AsyncIterator[RunningRuntime
         runtime.nri = runtime_nri
         await adaptation.start()
         log.info("NRI on unix://%s", config.nri.socket_path)
-    cri = await serve_cri(runtime, config.cri_socket_path, images=images)
+    cri = await serve_cri(runtime, config.cri_socket_path, images=images, puller=puller)
     log.info("CRI on unix://%s, streaming on %s", config.cri_socket_path, streaming.base_url)
     try:
         yield RunningRuntime(runtime, images, target, streaming, config.cri_socket_path)
     finally:
         await stop_cri(cri, config.cri_socket_path)
+        await puller.aclose()
         if adaptation is not None:
             runtime.nri = None
             await adaptation.stop()

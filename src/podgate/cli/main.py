@@ -8,6 +8,7 @@ from podgate import __version__
 from podgate.cli.agent import agent
 from podgate.cli.demo import demo
 from podgate.cli.exec import attach_command, exec_command
+from podgate.cli.images import images
 from podgate.cli.node import node
 from podgate.cli.portforward import port_forward
 from podgate.cli.runtime import runtime
@@ -24,6 +25,7 @@ main.add_command(agent)
 main.add_command(attach_command)
 main.add_command(demo)
 main.add_command(exec_command)
+main.add_command(images)
 main.add_command(node)
 main.add_command(port_forward)
 main.add_command(runtime)

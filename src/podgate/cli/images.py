@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from podgate.aio.loop import run
+from podgate.cli.pull import pull_command
 from podgate.cri import api_pb2 as pb
 from podgate.cri import api_pb2_grpc as pb_grpc
 from podgate.images.content import ContentError
@@ -141,3 +142,6 @@ def import_command(state_dir: str, archive: Path) -> None:
     for rec in records:
         names = ", ".join(rec.names()) or "<no name>"
         click.echo(f"Loaded {rec.id} ({human_size(rec.size)}): {names}")
+
+
+images.add_command(pull_command)

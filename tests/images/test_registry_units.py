@@ -202,3 +202,23 @@ def test_platform_choice() -> None:
     assert choose([Platform("linux", "s390x")], amd64) is None
     # Ties keep index order.
     assert choose([Platform("linux", "amd64"), Platform("linux", "amd64")], amd64) == 0
+
+
+def test_the_readme_example_is_a_valid_config(tmp_path: Path) -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme[readme.index("### Registries") :]
+    block = section[section.index("```toml\n") + len("```toml\n") :]
+    text = block[: block.index("```")]
+    (tmp_path / "mirror-ca.pem").write_text("ca")
+    (tmp_path / "registry-ca.pem").write_text("ca")
+    text = text.replace("/etc/podgate/registry-ca.pem", str(tmp_path / "registry-ca.pem"))
+    path = tmp_path / "runtime.toml"
+    path.write_text(text)
+    cfg = load_config(path)
+    hub = cfg.registries.host("docker.io")
+    assert [str(e) for e in hub.endpoints()] == [
+        "http://127.0.0.1:5000",
+        "https://mirror.internal:5443",
+    ]
+    assert hub.mirrors[1].credentials.username == "m"
+    assert cfg.registries.host("legacy.internal:5000").insecure

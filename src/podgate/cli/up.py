@@ -15,6 +15,7 @@ from podgate.aio.loop import run
 from podgate.cli.demo import write_kubeconfig
 from podgate.cli.logs import setup_logging
 from podgate.cli.nri import nri_config, nri_options
+from podgate.demo.sample_images import SampleImageError, ensure_sample_images
 from podgate.demo.samples import ensure_example, load_example
 from podgate.node.cri_client import CriClient, CriPodSource
 from podgate.node.gateway import GatewayConfig
@@ -100,6 +101,14 @@ async def _up(
 ) -> None:
     state_dir = config.state_dir
     async with running_runtime(config) as running:
+        if samples:
+            # The sample pods' images, built from the node's busybox-static: no registry needed.
+            try:
+                records = await asyncio.to_thread(ensure_sample_images, running.images)
+            except SampleImageError as exc:
+                log.warning("sample images not available: %s", exc)
+            else:
+                log.info("sample images: %s", ", ".join(n for r in records for n in r.repo_tags))
         pod_ids = [await ensure_example(running.runtime, s) for s in samples]
         client = CriClient(running.cri_socket)
         target = CriTarget(client)

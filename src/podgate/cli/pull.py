@@ -8,7 +8,6 @@ mirrors, CAs and credentials come from the runtime's config file (--config); --u
 
 from __future__ import annotations
 
-import logging
 import sys
 from collections.abc import Sequence
 
@@ -28,14 +27,12 @@ from podgate.aio.loop import run
 from podgate.cli.logs import setup_logging
 from podgate.images.config import ConfigError, Credentials, FileConfig, load_config
 from podgate.images.manifests import Descriptor
-from podgate.images.pull import LogProgress, Puller
+from podgate.images.pull import Puller
 from podgate.images.reference import InvalidReferenceError
 from podgate.images.registry import RegistryError
 from podgate.images.store import DEFAULT_MAX_LAYER_BYTES, ImageError, ImageStore
 from podgate.images.unpack import LayerError
 from podgate.runtime.daemon import DEFAULT_STATE_DIR
-
-log = logging.getLogger("podgate.images.pull")
 
 
 class BarProgress:
@@ -91,7 +88,8 @@ async def _pull(
             with Progress(*columns, console=Console(stderr=True), transient=False) as progress:
                 record = await puller.pull_image(reference, creds, BarProgress(progress))
         else:
-            record = await puller.pull_image(reference, creds, LogProgress(log))
+            # The puller logs every pull's progress itself (podgate.images.pull).
+            record = await puller.pull_image(reference, creds)
     finally:
         await puller.aclose()
     return record.id

@@ -23,6 +23,7 @@ from rich.console import Console
 
 from bench import forward as bench_forward
 from bench import gateway as bench_gateway
+from bench import images as bench_images
 from bench import runtime as bench_runtime
 from bench.common import LOOP_CHOICES, format_size, parse_size
 from bench.portforward import DIRECTIONS, PATH_NAMES, Options, run_all
@@ -164,6 +165,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         f"{bench_forward.UDP_DATAGRAMS} at --size 1G, proportionally fewer for smaller sizes)",
     )
     parser.add_argument(
+        "--images",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also pull + unpack an image from a local registry: podgate vs containerd 1.6 "
+        "(default: on as root)",
+    )
+    parser.add_argument(
+        "--image-size",
+        type=parse_size,
+        default=bench_images.DEFAULT_IMAGE_SIZE,
+        help="bytes of the generated image of the images part (default 50M)",
+    )
+    parser.add_argument(
         "--json",
         type=Path,
         default=RESULTS_DIR / "latest.json",
@@ -230,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
         args.forward if args.forward is not None else os.geteuid() == 0 and not args.skip_kubectl
     )
     forward = None
+    with_images = args.images if args.images is not None else os.geteuid() == 0
+    images = None
     try:
         results = run_all(options, progress=progress)
         if with_runtime and options.throughput:
@@ -242,6 +258,12 @@ def main(argv: list[str] | None = None) -> int:
             forward = bench_forward.run_forward(
                 options, progress, args.forward_paths, args.udp_datagrams
             )
+        if with_images:
+            why = bench_images.unavailable()
+            if why is None:
+                images = bench_images.run_images(args.image_size, options.runs, progress)
+            else:
+                err.print(f"[yellow]images part skipped: {why}[/yellow]")
     except ChildError as exc:
         err.print(f"[red]bench failed: {exc}[/red]")
         return 1
@@ -255,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
         data["gateway"] = gateway
     if forward is not None:
         data["forward"] = forward
+    if images is not None:
+        data["images"] = images
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(data, indent=1) + "\n")
     md_path = args.markdown or args.json.with_suffix(".md")
@@ -263,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         + ("\n" + bench_runtime.markdown(runtime) if runtime is not None else "")
         + ("\n" + bench_gateway.markdown(gateway) if gateway is not None else "")
         + ("\n" + bench_forward.markdown(forward) if forward is not None else "")
+        + ("\n" + bench_images.markdown(images) if images is not None else "")
     )
     print_report(data, console)
     if runtime is not None:
@@ -271,11 +296,15 @@ def main(argv: list[str] | None = None) -> int:
         bench_gateway.print_report(gateway, console)
     if forward is not None:
         bench_forward.print_report(forward, console)
+    if images is not None:
+        bench_images.print_report(images, console)
     console.print(f"results: {args.json} and {md_path}")
     failed = [s for s in data["summary"]["throughput"] + data["summary"]["conns"] if s["errors"]]
     if gateway is not None and bench_gateway.failed(gateway):
         return 1
     if forward is not None and bench_forward.failed(forward):
+        return 1
+    if images is not None and bench_images.failed(images):
         return 1
     return 1 if failed or (runtime is not None and bench_runtime.failed(runtime)) else 0
 

@@ -38,7 +38,11 @@ def test_entry_types_and_metadata(tmp_path: Path, how: str) -> None:
             E("bin/ls", "sym", link="busybox"),
             E("home/app", "dir", mode=0o750, uid=1000, gid=1001),
             E("home/app/f", data=b"hi", mode=0o600, uid=1000, gid=1001, mtime=1_234_567_890),
-            E("home/app/x", data=b"x", xattrs={"user.podgate": "yes", "security.capability": ""}),
+            E(
+                "home/app/x",
+                data=b"x",
+                xattrs={"user.podgate": "yes", "trusted.overlay.redirect": "/etc"},
+            ),
             E("dev/null", "chr", mode=0o666, dev=(1, 3)),
             E("dev/loop9", "blk", mode=0o660, dev=(7, 9)),
             E("run/fifo", "fifo", mode=0o620),
@@ -65,6 +69,8 @@ def test_entry_types_and_metadata(tmp_path: Path, how: str) -> None:
     assert (d.st_uid, d.st_gid, stat.S_IMODE(d.st_mode)) == (1000, 1001, 0o750)
     assert os.lstat(root / "bin").st_mtime == 1_500_000_000
     assert os.getxattr(root / "home/app/x", "user.podgate") == b"yes"
+    # overlayfs's own attributes are never taken from a layer.
+    assert "trusted.overlay.redirect" not in os.listxattr(root / "home/app/x")
     n = os.lstat(root / "dev/null")
     assert stat.S_ISCHR(n.st_mode) and os.major(n.st_rdev) == 1 and os.minor(n.st_rdev) == 3
     b = os.lstat(root / "dev/loop9")

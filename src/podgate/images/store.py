@@ -352,10 +352,12 @@ class ImageStore:
 
         Unpacks missing layers first; the record is written last, in one atomic rename. A tag
         that named another image moves here; an image left with no name at all is removed.
+        The caller holds `ingesting()`, so the unpack runs outside the store lock (lookups
+        are not held up by it) without its blobs being collected meanwhile.
         """
+        chain = self.unpack(manifest_digest)
         with self._locked():
             manifest, config, config_digest = self._read_manifest(manifest_digest)
-            chain = self.unpack(manifest_digest)
             layers = [d["digest"] for d in manifest.get("layers") or []]
             diff_ids = list((config.get("rootfs") or {}).get("diff_ids") or [])
             size = sum(int(d.get("size", 0)) for d in manifest.get("layers") or [])

@@ -41,7 +41,8 @@ __all__ = [
 
 WHITEOUT_PREFIX: Final = ".wh."
 OPAQUE_MARKER: Final = ".wh..wh..opq"
-OVERLAY_OPAQUE_XATTR: Final = "trusted.overlay.opaque"
+OVERLAY_XATTR_PREFIX: Final = "trusted.overlay."
+OVERLAY_OPAQUE_XATTR: Final = OVERLAY_XATTR_PREFIX + "opaque"
 PAX_XATTR_PREFIX: Final = "SCHILY.xattr."
 # Bytes per read from the decompressor: one tar record multiple, big enough to amortise calls.
 STREAM_CHUNK_BYTES: Final = 1 << 20
@@ -344,6 +345,9 @@ class _Applier:
             k[len(PAX_XATTR_PREFIX) :]: v
             for k, v in ti.pax_headers.items()
             if k.startswith(PAX_XATTR_PREFIX)
+            # overlayfs's own attributes (redirects, opaque, metacopy) are podgate's to set:
+            # from a layer they could make the mounted view read other paths.
+            and not k[len(PAX_XATTR_PREFIX) :].startswith(OVERLAY_XATTR_PREFIX)
         }
         os.chown(base, ti.uid, ti.gid, dir_fd=dfd, follow_symlinks=False)
         if ti.issym():

@@ -327,18 +327,20 @@ class ImageServicer(pb_grpc.ImageServiceServicer):
         self, request: pb.ListImagesRequest, context: Context
     ) -> pb.ListImagesResponse:
         wanted = request.filter.image.image if request.HasField("filter") else ""
+        # Lookups take the store's lock (and a file lock shared with `podgate images import`):
+        # in a worker thread, so the event loop never waits on them.
         if wanted:
-            rec = self.images.get(wanted)
+            rec = await asyncio.to_thread(self.images.get, wanted)
             records = [rec] if rec is not None else []
         else:
-            records = self.images.images()
+            records = await asyncio.to_thread(self.images.images)
         return pb.ListImagesResponse(images=[image_message(r) for r in records])
 
     @cri_method
     async def ImageStatus(
         self, request: pb.ImageStatusRequest, context: Context
     ) -> pb.ImageStatusResponse:
-        rec = self.images.get(request.image.image)
+        rec = await asyncio.to_thread(self.images.get, request.image.image)
         if rec is None:
             return pb.ImageStatusResponse()
         info = self.images.verbose_info(rec) if request.verbose else {}

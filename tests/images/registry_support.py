@@ -190,6 +190,8 @@ class TokenServer:
     server: ThreadingHTTPServer | None = None
     requests: list[dict[str, Any]] = field(default_factory=list)
     anonymous_pull: bool = False
+    # OAuth refresh tokens (CRI identity_token) → the user they stand for.
+    refresh_tokens: dict[str, str] = field(default_factory=dict)
 
     @property
     def realm(self) -> str:
@@ -254,6 +256,30 @@ class TokenServer:
                 outer.requests.append({"user": user, "ok": True, "scope": query.get("scope", [])})
                 self._answer(
                     200, {"token": outer.sign(user, access), "expires_in": TOKEN_LIFETIME_SECONDS}
+                )
+
+            def do_POST(self) -> None:
+                # OAuth2 (the Docker token spec's POST form): refresh tokens the server issued.
+                length = int(self.headers.get("Content-Length", "0"))
+                form = parse_qs(self.rfile.read(length).decode())
+                refresh = form.get("refresh_token", [""])[0]
+                user = outer.refresh_tokens.get(refresh)
+                if form.get("grant_type") != ["refresh_token"] or user is None:
+                    outer.requests.append({"user": "", "ok": False, "post": True})
+                    self._answer(401, {"details": "bad refresh token"})
+                    return
+                access = []
+                for one in form.get("scope", [""])[0].split():
+                    kind, _, rest = one.partition(":")
+                    name, _, actions = rest.rpartition(":")
+                    access.append({"type": kind, "name": name, "actions": actions.split(",")})
+                outer.requests.append({"user": user, "ok": True, "post": True})
+                self._answer(
+                    200,
+                    {
+                        "access_token": outer.sign(user, access),
+                        "expires_in": TOKEN_LIFETIME_SECONDS,
+                    },
                 )
 
             def _answer(self, code: int, doc: dict[str, Any]) -> None:

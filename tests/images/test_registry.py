@@ -369,3 +369,46 @@ async def test_docker_io_mirror_without_origin_contacts_only_the_mirror(
     assert recorder.requests
     assert {(r.url.host, r.url.port) for r in recorder.requests} == {("127.0.0.1", plain.port)}
     assert all(r.url.params.get("ns") == "docker.io" for r in recorder.requests)
+
+
+async def test_identity_token_is_exchanged_with_an_oauth_post(
+    token_registry: Registry, tmp_path: Path
+) -> None:
+    image = busybox_image(label="oauth")
+    push_image(token_registry, "test/oauth", "v1", image, username=USER, password=PASSWORD)
+    server = token_registry.token_server
+    assert server is not None
+    server.refresh_tokens["refresh-123"] = USER
+    before = len(server.requests)
+    async with RegistryClient() as client:
+        digest, _ = await _pull_blobs(
+            client,
+            f"{token_registry.host}/test/oauth:v1",
+            ContentStore(tmp_path / "c"),
+            Credentials(identity_token="refresh-123"),
+        )
+    assert digest == image.digest
+    assert server.requests[before:] == [{"user": USER, "ok": True, "post": True}]
+
+
+async def test_anonymous_token_pull(token_registry: Registry, tmp_path: Path) -> None:
+    image = busybox_image(label="anon")
+    push_image(token_registry, "test/anon", "v1", image, username=USER, password=PASSWORD)
+    server = token_registry.token_server
+    assert server is not None
+    before = len(server.requests)
+    async with RegistryClient() as client:
+        with pytest.raises(AuthError, match=token_registry.host):
+            await _pull_blobs(
+                client, f"{token_registry.host}/test/anon:v1", ContentStore(tmp_path / "a")
+            )
+    server.anonymous_pull = True
+    try:
+        async with RegistryClient() as client:
+            digest, _ = await _pull_blobs(
+                client, f"{token_registry.host}/test/anon:v1", ContentStore(tmp_path / "b")
+            )
+    finally:
+        server.anonymous_pull = False
+    assert digest == image.digest
+    assert [r["user"] for r in server.requests[before:] if r["ok"]] == [""]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -271,3 +273,47 @@ def test_two_store_instances_share_one_directory(tmp_path: Path) -> None:
     assert rec is not None and rec.id == new.config_digest
     assert [r.id for r in daemon.images()] == [new.config_digest]
     assert not daemon.content.has(old.manifest_digest)
+
+
+def test_kill_mid_unpack_then_restart_leaves_no_orphans(tmp_path: Path) -> None:
+    # A process stores an image's blobs and dies (SIGKILL) half-way through unpacking its
+    # layer: the next start removes the temporary snapshot and the unnamed blobs.
+    img = build_image([layer_tar([E(f"f{i}", data=os.urandom(64 << 10)) for i in range(64)])])
+    (tmp_path / "blobs.json").write_text(json.dumps({d: b.hex() for d, b in img.blobs.items()}))
+    (tmp_path / "layer.tar").write_bytes(img.layer_tars[0])
+    script = f"""
+import io, json, sys, time
+from pathlib import Path
+from podgate.images.store import ImageStore
+store = ImageStore(Path({str(tmp_path / "state")!r}))
+for d, h in json.loads(Path({str(tmp_path / "blobs.json")!r}).read_text()).items():
+    store.content.write_blob(bytes.fromhex(h), d)
+tar = Path({str(tmp_path / "layer.tar")!r}).read_bytes()
+class Stalls(io.RawIOBase):
+    pos = 0
+    def readable(self): return True
+    def readinto(self, b):
+        if self.pos >= len(tar) // 2:
+            print("half", flush=True)
+            time.sleep(600)
+        n = min(len(b), 4096, len(tar) // 2 - self.pos)
+        b[:n] = tar[self.pos:self.pos + n]
+        self.pos += n
+        return n
+store.snapshots.prepare({img.diff_ids[0]!r}, None, io.BufferedReader(Stalls()), None, 1 << 30)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == b"half\n"
+    finally:
+        proc.kill()
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+    snaps = tmp_path / "state" / "images" / "snapshots"
+    assert [p.name[:5] for p in snaps.iterdir() if p.name != "leases"] == [".tmp-"]
+    store = ImageStore(tmp_path / "state")
+    assert store.recovered == 1 + len(img.blobs)  # the temp snapshot, then every blob
+    assert _orphans(store) == [] and store.images() == []
+    assert [p.name for p in snaps.iterdir()] == ["leases"]

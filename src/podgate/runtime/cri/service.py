@@ -50,6 +50,8 @@ MAX_SEND_MESSAGE_BYTES = 2 * MAX_MESSAGE_BYTES + 1024 * 1024
 STOP_GRACE_SECONDS = 5.0
 
 Clock = Callable[[], int]  # nanoseconds since the epoch
+# Names a CRI AuthConfig.server_address may give Docker Hub (reference names say docker.io).
+DOCKER_HUB_ALIASES = {"index.docker.io": "docker.io", "registry-1.docker.io": "docker.io"}
 
 
 class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
@@ -275,6 +277,8 @@ def credentials_from_auth(auth: pb.AuthConfig, reference: str) -> Credentials | 
     if auth.server_address:
         # Credentials meant for another registry are not sent to this one.
         host = auth.server_address.split("://", 1)[-1].split("/", 1)[0]
+        # Docker config files key Docker Hub as https://index.docker.io/v1/.
+        host = DOCKER_HUB_ALIASES.get(host, host)
         if host != parse_normalized(reference).domain:
             return None
     if auth.username:

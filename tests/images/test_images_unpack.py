@@ -259,3 +259,20 @@ def test_crash_leftovers_cleaned(tmp_path: Path) -> None:
     (store.root / ("ab" * 32)).mkdir()  # renamed but meta lost: cannot happen, still cleaned
     assert store.clean() == 2
     assert list(store.root.iterdir()) == [store.leases_dir]
+
+
+def test_sparse_bomb_refused(tmp_path: Path) -> None:
+    # A GNU sparse entry: a few hundred bytes of tar that declare a file far over the cap.
+    src = tmp_path / "src"
+    src.mkdir()
+    with open(src / "sparse", "wb") as f:
+        f.truncate(MAX * 4)
+        f.write(b"x")
+    tar = tmp_path / "sparse.tar"
+    subprocess.run(["tar", "--sparse", "-cf", str(tar), "-C", str(src), "sparse"], check=True)
+    data = tar.read_bytes()
+    assert len(data) < MAX // 1024
+    store = SnapshotStore(tmp_path / "snap")
+    with pytest.raises(LayerTooLargeError):
+        store.prepare(sha256(data), None, io.BytesIO(data), None, MAX)
+    assert list(store.root.iterdir()) == [store.leases_dir]

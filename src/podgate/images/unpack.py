@@ -162,9 +162,13 @@ def _is_whiteout(st: os.stat_result) -> bool:
 
 
 class _Applier:
-    def __init__(self, root_fd: int, lower_fds: Sequence[int]) -> None:
+    def __init__(self, root_fd: int, lower_fds: Sequence[int], max_bytes: int) -> None:
         self.root_fd = root_fd
         self.lower_fds = lower_fds  # topmost first
+        # The stream cap alone does not bound what is written: a GNU sparse entry declares a
+        # size its few stream bytes expand to. File sizes count against the same cap.
+        self.max_bytes = max_bytes
+        self.file_bytes = 0
         self.created: set[tuple[str, ...]] = set()
         self.dir_times: list[tuple[tuple[str, ...], int]] = []
 
@@ -300,6 +304,9 @@ class _Applier:
                     os.mkdir(base, 0o700, dir_fd=dfd)
                 self.dir_times.append((tuple(parts), int(ti.mtime)))
             elif ti.isreg():
+                self.file_bytes += ti.size
+                if self.file_bytes > self.max_bytes:
+                    raise LayerTooLargeError(f"layer unpacks to more than {self.max_bytes} bytes")
                 fd = os.open(
                     base,
                     os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
@@ -410,7 +417,7 @@ def apply_layer(
     try:
         for low in lowers:
             lower_fds.append(os.open(low, _DIR_FLAGS))
-        applier = _Applier(root_fd, lower_fds)
+        applier = _Applier(root_fd, lower_fds, max_bytes)
         entries = 0
         with _decompressed(src) as plain:
             reader = _CountingReader(plain, max_bytes)

@@ -317,3 +317,30 @@ store.snapshots.prepare({img.diff_ids[0]!r}, None, io.BufferedReader(Stalls()), 
     assert store.recovered == 1 + len(img.blobs)  # the temp snapshot, then every blob
     assert _orphans(store) == [] and store.images() == []
     assert [p.name for p in snaps.iterdir()] == ["leases"]
+
+
+def test_import_docker_archive_with_linked_layers_and_refuse_links_out(tmp_path: Path) -> None:
+    # Older `docker save` writes a repeated layer as a symlink to the first copy.
+    img = build_image([BASE, BASE, layer_tar([E("top", data=b"t")])], {})
+    src = tmp_path / "saved"
+    src.mkdir()
+    write_docker_archive([(img, ["linked:1"])], tmp_path / "saved.tar")
+    with tarfile.open(tmp_path / "saved.tar") as tf:
+        tf.extractall(src, filter="data")
+    manifest = json.loads((src / "manifest.json").read_text())
+    first = manifest[0]["Layers"][0]
+    (src / "dup").mkdir()
+    (src / "dup" / "layer.tar").symlink_to(Path("..") / first)
+    manifest[0]["Layers"][1] = "dup/layer.tar"
+    (src / "manifest.json").write_text(json.dumps(manifest))
+    store = ImageStore(tmp_path / "state")
+    (rec,) = import_archive(store, src)
+    assert rec.diff_ids == img.diff_ids and store.get("linked:1") is not None
+
+    (tmp_path / "secret").write_bytes(b"not yours")
+    (src / "dup" / "layer.tar").unlink()
+    (src / "dup" / "layer.tar").symlink_to(tmp_path / "secret")
+    store2 = ImageStore(tmp_path / "state2")
+    with pytest.raises(Exception, match="outside the archive"):
+        import_archive(store2, src)
+    assert store2.images() == [] and store2.content.digests() == []

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from podgate.images.builder import CONTAINERD_NAME_ANNOTATION, REF_NAME_ANNOTATION, host_arch
-from podgate.images.content import READ_CHUNK_BYTES
+from podgate.images.content import READ_CHUNK_BYTES, parse_digest
 from podgate.images.reference import InvalidReferenceError, parse_normalized
 from podgate.images.store import ImageError, ImageRecord, ImageStore
 
@@ -51,7 +51,7 @@ class _Found:
 
 
 def _read_json(path: Path) -> Any:
-    if not path.is_file() or path.is_symlink():
+    if not path.is_file():
         raise ArchiveError(f"{path.name} is missing")
     with open(path, "rb") as f:
         data = f.read(MAX_INDEX_BYTES + 1)
@@ -63,10 +63,18 @@ def _read_json(path: Path) -> Any:
         raise ArchiveError(f"{path.name} is not JSON: {e}") from None
 
 
+def _member(root: Path, name: str) -> Path:
+    """A file of the archive; symlinks (docker save links repeated layers) must stay inside."""
+    path = (root / name).resolve()
+    if not path.is_relative_to(root.resolve()):
+        raise ArchiveError(f"{name!r} points outside the archive")
+    return path
+
+
 def _copy_blob(store: ImageStore, src: Path, digest: str) -> None:
     if store.content.has(digest):
         return
-    if not src.is_file() or src.is_symlink():
+    if not src.is_file():
         raise ArchiveError(f"blob {digest} is missing from the archive")
     w = store.content.writer(digest, src.stat().st_size)
     if w.offset:  # a stale partial from an earlier import: start over from the file
@@ -103,7 +111,7 @@ def _oci(store: ImageStore, root: Path) -> list[_Found]:
     found: list[_Found] = []
 
     def blob(digest: str) -> Path:
-        return root / "blobs" / "sha256" / digest.removeprefix("sha256:")
+        return _member(root, "blobs/sha256/" + parse_digest(digest))
 
     def walk(desc: dict[str, Any], names: list[str], index_digest: str | None) -> None:
         digest = desc["digest"]
@@ -137,12 +145,12 @@ def _docker(store: ImageStore, root: Path) -> list[_Found]:
         raise ArchiveError("manifest.json is not a list")
     found: list[_Found] = []
     for e in entries:
-        cfg_path = root / e["Config"]
+        cfg_path = _member(root, e["Config"])
         cfg_digest = _file_digest(cfg_path)
         _copy_blob(store, cfg_path, cfg_digest)
         layers = []
         for name in e.get("Layers") or []:
-            p = root / name
+            p = _member(root, name)
             d = _file_digest(p)
             _copy_blob(store, p, d)
             layers.append({"mediaType": DOCKER_LAYER, "digest": d, "size": p.stat().st_size})

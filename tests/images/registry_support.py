@@ -754,6 +754,17 @@ class ThrottlingProxy:
             with contextlib.suppress(OSError):
                 dst.shutdown(socket.SHUT_WR)
 
+    def cut(self) -> None:
+        """Reset every open connection (the registry "goes away"); new ones still work."""
+        with self._lock:
+            sockets, self._sockets = self._sockets, []
+        for s in sockets:
+            # shutdown wakes the pipe threads blocked in recv; close alone would not.
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            with contextlib.suppress(OSError):
+                s.close()
+
     def close(self) -> None:
         self._stop.set()
         with contextlib.suppress(OSError):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
+import subprocess
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -24,8 +26,13 @@ from registry_support import (
 from podgate.images.config import Credentials, Endpoint, RegistryConfig, RegistryHost
 from podgate.images.manifests import Descriptor
 from podgate.images.platforms import host_platform
-from podgate.images.pull import Puller
-from podgate.images.registry import AuthError, NotFoundError, VerificationError
+from podgate.images.pull import Puller, ResourceError
+from podgate.images.registry import (
+    AuthError,
+    NotFoundError,
+    UnavailableError,
+    VerificationError,
+)
 from podgate.images.store import ImageStore
 
 USER, PASSWORD = "puller", "pull-pass"
@@ -283,3 +290,57 @@ async def test_docker_hub_name_through_a_loopback_mirror(
         await puller.aclose()
     assert rec.repo_tags == ["docker.io/library/hubtest:latest"]
     assert rec.repo_digests == [f"docker.io/library/hubtest@{image.digest}"]
+
+
+async def test_registry_gone_mid_blob_then_the_next_pull_resumes(
+    registry: Registry, tmp_path: Path
+) -> None:
+    image = make_image(
+        [{"bin/busybox": Path("/bin/busybox").read_bytes()}, {"big": noise("gone", 3 << 20)}]
+    )
+    push_image(registry, "pull/gone", "v1", image)
+    proxy = ThrottlingProxy(registry.port, rate=512 * 1024)
+    store = ImageStore(tmp_path / "state")
+    ref = f"{proxy.host}/pull/gone:v1"
+    seen = Recording()
+    puller = Puller(store)
+    try:
+        task = asyncio.create_task(puller.pull_image(ref, progress=seen))
+        for _ in range(600):
+            if seen.bytes > 256 * 1024 or task.done():
+                break
+            await asyncio.sleep(0.05)
+        proxy.cut()
+        with pytest.raises(UnavailableError, match=proxy.host):
+            await task
+        assert store.images() == []
+        assert store.content.ingests(), "no partial download kept for the next pull"
+        proxy.rate = None
+        rec = await puller.pull_image(ref)
+    finally:
+        await puller.aclose()
+        proxy.close()
+    assert rec.id == image.config_digest
+    assert store.content.ingests() == []
+
+
+async def test_disk_full_fails_the_pull_cleanly(registry: Registry, tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a small tmpfs")
+    image = make_image([{"big": noise("full", 3 << 20)}])
+    push_image(registry, "pull/full", "v1", image)
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(small)], check=True)
+    try:
+        store = ImageStore(small / "state")
+        puller = Puller(store)
+        try:
+            with pytest.raises(ResourceError, match="No space left on device"):
+                await puller.pull(f"{registry.host}/pull/full:v1")
+        finally:
+            await puller.aclose()
+        assert store.images() == []
+        assert store.content.digests() == []
+    finally:
+        subprocess.run(["umount", str(small)], check=True)

@@ -555,8 +555,16 @@ class RegistryClient:
         writer = store.writer(desc.digest, desc.size)
         try:
             await self._stream_blob(ep, repository, desc, writer, registry, progress)
+            # The commit (fsync, rename) runs in a thread that a cancellation cannot stop: wait
+            # for it, so no blob lands after the caller has moved on (and collected garbage).
+            commit = asyncio.ensure_future(asyncio.to_thread(writer.commit))
             try:
-                return await asyncio.to_thread(writer.commit)
+                return await asyncio.shield(commit)
+            except asyncio.CancelledError:
+                await asyncio.wait([commit])
+                if not commit.cancelled():
+                    commit.exception()  # retrieved: the cancellation is what the caller sees
+                raise
             except (content.DigestMismatchError, content.SizeMismatchError) as exc:
                 raise VerificationError(
                     registry, f"blob {desc.digest} from {registry}: {exc}: refused"

@@ -23,7 +23,12 @@ from podgate.images.config import Credentials, RegistryConfig, RegistryHost
 from podgate.images.content import ContentStore
 from podgate.images.manifests import OCI_INDEX, OCI_MANIFEST, Descriptor
 from podgate.images.reference import parse_normalized
-from podgate.images.registry import MAX_MANIFEST_BYTES, RegistryClient, VerificationError
+from podgate.images.registry import (
+    MAX_MANIFEST_BYTES,
+    AuthError,
+    RegistryClient,
+    VerificationError,
+)
 
 BLOB = b"layer bytes " * 1000
 BLOB_DIGEST = "sha256:" + hashlib.sha256(BLOB).hexdigest()
@@ -177,3 +182,24 @@ async def test_blob_redirect_to_storage_carries_no_credentials(
     assert [h.get("Authorization") for p, h in registry.seen] == [None, basic]
     [(_, storage_headers)] = storage.seen
     assert "Authorization" not in storage_headers
+
+
+async def test_forbidden_is_an_auth_error_naming_the_registry(
+    scripted: tuple[Script, Script],
+) -> None:
+    registry, _ = scripted
+    registry.routes["/v2/x/y/manifests/t"] = (
+        403,
+        {"Content-Type": "application/json"},
+        json.dumps(
+            {
+                "errors": [
+                    {"code": "DENIED", "message": "requested access to the resource is denied"}
+                ]
+            }
+        ).encode(),
+    )
+    with pytest.raises(AuthError) as info:
+        await _fetch(registry.host, "t")
+    assert registry.host in str(info.value)
+    assert "DENIED: requested access to the resource is denied" in str(info.value)

@@ -179,6 +179,14 @@ async def _error_detail(response: httpx.Response) -> str:
     return f"{response.status_code} {response.reason_phrase}" + (f" ({text})" if text else "")
 
 
+def _denied(registry: str, detail: str) -> AuthError:
+    return AuthError(
+        registry,
+        f"pull access denied, repository does not exist or may require authorization: "
+        f"registry {registry} answered {detail}",
+    )
+
+
 class RegistryClient:
     """Talks to the registries of one config. Use as an async context manager."""
 
@@ -497,6 +505,8 @@ class RegistryClient:
             if response.status_code == 404:
                 await response.aread()
                 raise NotFoundError(registry, f"{obj}: not found")
+            if response.status_code == 403:
+                raise _denied(registry, await _error_detail(response))
             if response.status_code != 200:
                 detail = await _error_detail(response)
                 raise UnavailableError(registry, f"registry {registry}: manifest {obj}: {detail}")
@@ -592,6 +602,8 @@ class RegistryClient:
             status = response.status_code
             if status == 404:
                 raise NotFoundError(registry, f"blob {desc.digest}: not found")
+            if status == 403:
+                raise _denied(registry, await _error_detail(response))
             if status == 416 and resumed:
                 # The partial is already whole (or wrong); let the writer's check decide.
                 if resumed == desc.size:

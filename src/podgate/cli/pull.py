@@ -8,6 +8,7 @@ mirrors, CAs and credentials come from the runtime's config file (--config); --u
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Sequence
 
@@ -133,6 +134,9 @@ def pull_command(
         raise click.BadParameter(str(exc), param_hint="--config") from exc
     creds = Credentials(username, password) if username else None
     bars = mode == "bar" or (mode == "auto" and sys.stderr.isatty())
+    if bars:
+        # The bars say it all; the puller's progress lines would tear the live display.
+        logging.getLogger("podgate.images.pull").setLevel(logging.WARNING)
     try:
         store = ImageStore(state_dir, file_config.images.max_layer_bytes or DEFAULT_MAX_LAYER_BYTES)
         image_id = run(_pull(store, file_config, reference, creds, bars))

@@ -531,6 +531,20 @@ def make_image(
 ) -> BuiltImage:
     layer_type = DOCKER_LAYER_GZIP if docker else OCI_LAYER_GZIP
     built = [layer_from_files(files, layer_type) for files in layers]
+    return image_from_layers(
+        built, docker=docker, architecture=architecture, user=user, label=label
+    )
+
+
+def image_from_layers(
+    built: Sequence[Layer],
+    *,
+    docker: bool = False,
+    architecture: str = "amd64",
+    user: str = "",
+    label: str = "",
+) -> BuiltImage:
+    """An image of ready-made layers (any tar content, hostile ones included)."""
     config = {
         "architecture": architecture,
         "os": "linux",
@@ -558,7 +572,7 @@ def make_image(
         ],
     }
     return BuiltImage(
-        config_bytes, built, json.dumps(manifest).encode(), manifest_type, architecture
+        config_bytes, list(built), json.dumps(manifest).encode(), manifest_type, architecture
     )
 
 

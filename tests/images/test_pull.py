@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gzip
 import hashlib
 import os
 import subprocess
@@ -10,12 +11,17 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
+from layers_support import E, layer_tar
 from registry_support import (
+    OCI_LAYER_GZIP,
+    Layer,
     LoopbackCA,
     Pusher,
     Registry,
     ThrottlingProxy,
     busybox_image,
+    image_from_layers,
+    layer_from_files,
     make_image,
     make_index,
     noise,
@@ -26,7 +32,7 @@ from registry_support import (
 from podgate.images.config import Credentials, Endpoint, RegistryConfig, RegistryHost
 from podgate.images.manifests import Descriptor
 from podgate.images.platforms import host_platform
-from podgate.images.pull import Puller, ResourceError
+from podgate.images.pull import Puller, ResourceError, UnpackError
 from podgate.images.registry import (
     AuthError,
     NotFoundError,
@@ -348,3 +354,29 @@ async def test_disk_full_fails_the_pull_cleanly(registry: Registry, tmp_path: Pa
         assert store.content.digests() == []
     finally:
         subprocess.run(["umount", str(small)], check=True)
+
+
+async def test_hostile_layer_is_refused_and_nothing_outside_the_store_changes(
+    registry: Registry, tmp_path: Path
+) -> None:
+    outside = tmp_path / "escape"
+    good = layer_from_files({"bin/busybox": Path("/bin/busybox").read_bytes()})
+    raw = layer_tar([E("etc/ok", data=b"fine\n"), E("../../../../escape", data=b"owned\n")])
+    hostile = Layer(
+        gzip.compress(raw, mtime=0), "sha256:" + hashlib.sha256(raw).hexdigest(), OCI_LAYER_GZIP
+    )
+    image = image_from_layers([good, hostile])
+    push_image(registry, "pull/hostile", "v1", image)
+    state = tmp_path / "a" / "b" / "c" / "state"
+    store = ImageStore(state)
+    puller = Puller(store)
+    try:
+        with pytest.raises(UnpackError, match="failed to pull and unpack image"):
+            await puller.pull(f"{registry.host}/pull/hostile:v1")
+    finally:
+        await puller.aclose()
+    assert not outside.exists()
+    assert not list(tmp_path.rglob("escape"))
+    assert store.images() == []
+    assert store.snapshots.ids() == []
+    assert store.content.digests() == []

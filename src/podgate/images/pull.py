@@ -22,9 +22,9 @@ import errno
 import functools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Final, Protocol
+from typing import Final, Protocol, TypeVar
 
 from podgate.images.config import (
     DEFAULT_MAX_CONCURRENT_DOWNLOADS,
@@ -50,9 +50,12 @@ from podgate.images.registry import (
     UnavailableError,
     VerificationError,
 )
-from podgate.images.store import MAX_CONFIG_BYTES, ImageRecord, ImageStore
+from podgate.images.snapshots import chain_ids
+from podgate.images.store import MAX_CONFIG_BYTES, ImageError, ImageRecord, ImageStore
+from podgate.images.unpack import LayerError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Seconds between two progress lines of one pull in the log (layer completions are logged too).
 PROGRESS_LOG_INTERVAL_SECONDS: Final = 5.0
@@ -64,6 +67,24 @@ class PullError(RegistryError):
 
 class ResourceError(PullError):
     """The node ran out of something (disk space) while pulling."""
+
+
+class UnpackError(PullError):
+    """The image's layers cannot be applied here (hostile entries, over the size cap, a
+    wrong diff ID) or its manifest and config do not fit together."""
+
+
+async def _uncancellable(work: Awaitable[T]) -> T:
+    """Await work running in a thread; on cancellation wait for the thread to finish first,
+    so nothing it writes lands after the pull has cleaned up."""
+    future = asyncio.ensure_future(work)
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        await asyncio.wait([future])
+        if not future.cancelled():
+            future.exception()  # retrieved: the cancellation is what the caller sees
+        raise
 
 
 class PullProgress(Protocol):
@@ -274,6 +295,10 @@ class Puller:
             raise VerificationError(
                 ref.domain, f'failed to pull and unpack image "{name}": {exc}'
             ) from None
+        except (LayerError, ImageError) as exc:
+            raise UnpackError(
+                ref.domain, f'failed to pull and unpack image "{name}": {exc}'
+            ) from None
         except OSError as exc:
             if exc.errno in {errno.ENOSPC, errno.EDQUOT}:
                 raise ResourceError(
@@ -340,27 +365,59 @@ class Puller:
                 ref.domain,
                 f"manifest has {len(manifest.layers)} layers but the config {len(ids)} diff IDs",
             )
+        # Layers download in parallel; each is unpacked as soon as it and the layers below it
+        # are verified, so unpacking overlaps the downloads still running.
+        chain = chain_ids(list(ids))
+        landed = [asyncio.Event() for _ in manifest.layers]
+
+        async def fetch(i: int, desc: Descriptor) -> None:
+            await self._blob(ep, ref, desc, progress, report=True)
+            landed[i].set()
+
+        async def unpack_in_order() -> None:
+            for i, desc in enumerate(manifest.layers):
+                await landed[i].wait()
+                if i == 0:
+                    progress.unpacking()
+                parent = chain[i - 1] if i else None
+                began = time.monotonic()
+                await _uncancellable(
+                    asyncio.to_thread(self._unpack_layer, desc.digest, chain[i], parent, ids[i])
+                )
+                unpacking[0] += time.monotonic() - began
+
+        unpacking = [0.0]  # seconds spent applying layers (and registering), for the log
         try:
             async with asyncio.TaskGroup() as tg:
-                for desc in manifest.layers:
-                    tg.create_task(self._blob(ep, ref, desc, progress, report=True))
-        except* (RegistryError, OSError) as group:
-            # One failed download stops the others; the caller sees the first failure.
+                for i, desc in enumerate(manifest.layers):
+                    tg.create_task(fetch(i, desc))
+                tg.create_task(unpack_in_order())
+        except* (RegistryError, OSError, LayerError) as group:
+            # One failure stops the rest; the caller sees the first one.
             raise group.exceptions[0] from None
         # The manifest goes in last: everything it names is there and verified.
         await asyncio.to_thread(content.write_blob, fetched.body, fetched.digest)
         names: list[str | Reference] = [ref.with_digest(top.digest)]
         if ref.tag is not None:
             names.append(ref)
-        progress.unpacking()
-        started = time.monotonic()
-        record = await asyncio.to_thread(self.store.register, fetched.digest, names, index_digest)
+        began = time.monotonic()
+        record = await _uncancellable(
+            asyncio.to_thread(self.store.register, fetched.digest, names, index_digest)
+        )
+        unpacking[0] += time.monotonic() - began
         log.info(
             "pull %s: image %s registered (unpacked in %.3fs)",
             ref,
             record.id,
-            time.monotonic() - started,
-            extra={"fields": {"image": str(ref), "id": record.id, "digest": top.digest}},
+            unpacking[0],
+            extra={
+                "fields": {
+                    "image": str(ref),
+                    "id": record.id,
+                    "digest": top.digest,
+                    "unpack_seconds": round(unpacking[0], 3),
+                }
+            },
         )
         return record
 
@@ -408,6 +465,14 @@ class Puller:
             if report:
                 progress.layer_done(desc.digest, cached=False)
             return
+
+    def _unpack_layer(self, digest: str, chain_id: str, parent: str | None, diff_id: str) -> None:
+        """Apply one verified layer as snapshot `chain_id` (a no-op when it exists)."""
+        snapshots = self.store.snapshots
+        if snapshots.has(chain_id):
+            return
+        with open(self.store.content.blob_path(digest), "rb") as f:
+            snapshots.prepare(chain_id, parent, f, diff_id, self.store.max_layer_bytes)
 
     def _blob_landed(self, digest: str, task: asyncio.Task[None]) -> None:
         if self._blobs.get(digest) is task:

@@ -16,7 +16,7 @@ import grpc
 import grpc.aio
 
 from podgate.images import registry
-from podgate.images.pull import ResourceError
+from podgate.images.pull import ResourceError, UnpackError
 from podgate.runtime.api import (
     DeadlineExceededError,
     FailedPreconditionError,
@@ -42,6 +42,7 @@ ERROR_CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (registry.UnavailableError, grpc.StatusCode.UNAVAILABLE),
     (registry.VerificationError, grpc.StatusCode.DATA_LOSS),
     (ResourceError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (UnpackError, grpc.StatusCode.FAILED_PRECONDITION),
     (registry.RegistryError, grpc.StatusCode.UNKNOWN),
 )
 

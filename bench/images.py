@@ -16,8 +16,8 @@ One docker-registry on 127.0.0.1 (plain HTTP) holds a generated multi-layer imag
 Wall time is from process start to exit (podgate-cri: the call). CPU is user+system seconds:
 for podgate the pull process; for podgate-cri the daemon's delta; for containerd the ctr
 process plus the containerd daemon's own delta (ctr fetches, the daemon stores and unpacks).
-podgate's unpack throughput (uncompressed layer bytes / seconds of the unpack-and-register
-step) comes from its log line.
+podgate's unpack throughput (uncompressed layer bytes / seconds spent applying layers, summed
+per layer while others still download, and registering) comes from its log line.
 
     python -m bench.images --image-size 50M --runs 3
     python -m bench --images           # the same inside `make bench` (on by default as root)
@@ -382,7 +382,7 @@ def tables(section: dict[str, Any]) -> SectionTables:
     )
     note = (
         "MB = 10^6 bytes. pull MB/s = compressed bytes / wall time; unpack MB/s = unpacked "
-        "bytes / podgate's unpack-and-register step. CPU: podgate's pull process, the podgate "
+        "bytes / podgate's seconds applying layers and registering. CPU: podgate's pull process, the podgate "
         "daemon (podgate-cri), ctr plus the containerd daemon."
     )
     return [(title, note, HEADERS, rows)]

@@ -382,8 +382,8 @@ def tables(section: dict[str, Any]) -> SectionTables:
     )
     note = (
         "MB = 10^6 bytes. pull MB/s = compressed bytes / wall time; unpack MB/s = unpacked "
-        "bytes / podgate's seconds applying layers and registering. CPU: podgate's pull process, the podgate "
-        "daemon (podgate-cri), ctr plus the containerd daemon."
+        "bytes / podgate's seconds applying layers and registering. CPU: podgate's pull "
+        "process, the podgate daemon (podgate-cri), ctr plus the containerd daemon."
     )
     return [(title, note, HEADERS, rows)]
 

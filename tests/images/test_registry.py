@@ -412,3 +412,23 @@ async def test_anonymous_token_pull(token_registry: Registry, tmp_path: Path) ->
         server.anonymous_pull = False
     assert digest == image.digest
     assert [r["user"] for r in server.requests[before:] if r["ok"]] == [""]
+
+
+async def test_insecure_registry_skips_verification(tls_basic: Registry, tmp_path: Path) -> None:
+    image = busybox_image(label="insecure")
+    push_image(tls_basic, "test/insecure", "v1", image, username=USER, password=PASSWORD)
+    config = RegistryConfig(
+        {
+            tls_basic.host: RegistryHost(
+                tls_basic.host, insecure=True, credentials=Credentials(USER, PASSWORD)
+            )
+        }
+    )
+    recorder = Recorder()
+    async with RegistryClient(config, observer=recorder) as client:
+        digest, _ = await _pull_blobs(
+            client, f"{tls_basic.host}/test/insecure:v1", ContentStore(tmp_path / "c")
+        )
+    assert digest == image.digest
+    # Still TLS (the server speaks it), just unverified: no fallback to plain HTTP.
+    assert {r.url.scheme for r in recorder.requests} == {"https"}

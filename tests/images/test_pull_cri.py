@@ -250,3 +250,30 @@ async def test_kill_mid_pull_restart_and_pull_again(plain: Registry) -> None:
 
 async def _sleep(seconds: float) -> None:
     await asyncio.sleep(seconds)
+
+
+async def test_concurrent_cri_pulls_download_once(
+    images: pb_grpc.ImageServiceStub, plain: Registry
+) -> None:
+    image = busybox_image(label="cri-shared", extra={"data": noise("cri-shared", 500_000)})
+    push_image(plain, "cri/shared", "v1", image)
+    ref = f"{plain.host}/cri/shared:v1"
+
+    def gets() -> list[str]:
+        return [u for m, u in plain.requests() if m == "GET" and "/v2/cri/shared/" in u]
+
+    before = len(gets())
+    replies = await asyncio.gather(
+        *(
+            images.PullImage(pb.PullImageRequest(image=_spec(ref)), timeout=PULL_TIMEOUT_SECONDS)
+            for _ in range(4)
+        )
+    )
+    assert {r.image_ref for r in replies} == {image.config_digest}
+    fetched = gets()[before:]
+    # One manifest request and at most one request per blob for all four calls (the busybox
+    # layer may already be in the daemon's store from an earlier test).
+    assert len(fetched) == len(set(fetched))
+    assert fetched.count("/v2/cri/shared/manifests/v1") == 1
+    own = {image.config_digest, image.layers[1].digest}
+    assert {f"/v2/cri/shared/blobs/{d}" for d in own} <= set(fetched)

@@ -94,3 +94,28 @@ def test_pull_errors_name_the_registry(registry: Registry, tmp_path: Path) -> No
     done = podgate("pull", "--state-dir", str(tmp_path), "--config", str(bad), ref)
     assert done.returncode == 2
     assert f'{bad}: registries."x".mirrors: must be a list' in done.stderr
+
+
+def test_runtime_refuses_a_bad_config_naming_file_and_key(tmp_path: Path) -> None:
+    bad = tmp_path / "runtime.toml"
+    bad.write_text('[registries."docker.io"]\nmirrors = ["http://mirror.internal:5000"]\n')
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "podgate",
+            "runtime",
+            "--state-dir",
+            str(tmp_path / "s"),
+            "--config",
+            str(bad),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=PULL_TIMEOUT_SECONDS,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert f'{bad}: registries."docker.io".mirrors[0].url:' in done.stderr
+    assert "set insecure = true" in done.stderr
+    assert not (tmp_path / "s").exists()

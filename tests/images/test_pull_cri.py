@@ -22,6 +22,7 @@ from registry_support import (
     LoopbackCA,
     Registry,
     ThrottlingProxy,
+    TokenServer,
     busybox_image,
     make_image,
     noise,
@@ -70,6 +71,17 @@ def secure(tmp_path_factory: pytest.TempPathFactory, ca: LoopbackCA) -> Iterator
     root = tmp_path_factory.mktemp("cri-tls") / "reg"
     with running_registry(root, tls=ca, users={USER: PASSWORD}) as reg:
         yield reg
+
+
+@pytest.fixture(scope="module")
+def token_registry(tmp_path_factory: pytest.TempPathFactory, ca: LoopbackCA) -> Iterator[Registry]:
+    server = TokenServer(ca, {USER: PASSWORD})
+    server.start()
+    try:
+        with running_registry(tmp_path_factory.mktemp("cri-tok") / "reg", token=server) as reg:
+            yield reg
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -277,3 +289,34 @@ async def test_concurrent_cri_pulls_download_once(
     assert fetched.count("/v2/cri/shared/manifests/v1") == 1
     own = {image.config_digest, image.layers[1].digest}
     assert {f"/v2/cri/shared/blobs/{d}" for d in own} <= set(fetched)
+
+
+async def test_request_identity_and_registry_tokens(
+    images: pb_grpc.ImageServiceStub, token_registry: Registry
+) -> None:
+    image = busybox_image(label="cri-token")
+    push_image(token_registry, "cri/tok", "v1", image, username=USER, password=PASSWORD)
+    server = token_registry.token_server
+    assert server is not None
+    ref = f"{token_registry.host}/cri/tok:v1"
+    # No credentials: the token server refuses, and the error names the registry.
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await images.PullImage(pb.PullImageRequest(image=_spec(ref)), timeout=PULL_TIMEOUT_SECONDS)
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert token_registry.host in info.value.details()
+    # An identity token (OAuth refresh token) from the request.
+    server.refresh_tokens["cri-refresh"] = USER
+    auth = pb.AuthConfig(identity_token="cri-refresh")
+    pulled = await images.PullImage(
+        pb.PullImageRequest(image=_spec(ref), auth=auth), timeout=PULL_TIMEOUT_SECONDS
+    )
+    assert pulled.image_ref == image.config_digest
+    # A registry token is sent as the bearer token itself.
+    bearer = server.sign(USER, [{"type": "repository", "name": "cri/tok", "actions": ["pull"]}])
+    before = len(server.requests)
+    auth = pb.AuthConfig(registry_token=bearer)
+    pulled = await images.PullImage(
+        pb.PullImageRequest(image=_spec(ref), auth=auth), timeout=PULL_TIMEOUT_SECONDS
+    )
+    assert pulled.image_ref == image.config_digest
+    assert len(server.requests) == before

@@ -293,6 +293,9 @@ def credentials_from_auth(auth: pb.AuthConfig, reference: str) -> Credentials | 
         if not sep:
             raise InvalidArgumentError("auth is not base64 of user:password")
         return Credentials(username=user, password=password)
+    if auth.registry_token:
+        # A bearer token for the registry itself (containerd ignores it; podgate sends it).
+        return Credentials(registry_token=auth.registry_token)
     return None
 
 

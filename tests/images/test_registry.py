@@ -432,3 +432,21 @@ async def test_insecure_registry_skips_verification(tls_basic: Registry, tmp_pat
     assert digest == image.digest
     # Still TLS (the server speaks it), just unverified: no fallback to plain HTTP.
     assert {r.url.scheme for r in recorder.requests} == {"https"}
+
+
+async def test_a_cached_token_is_not_reused_for_other_credentials(
+    token_registry: Registry, tmp_path: Path
+) -> None:
+    push_image(
+        token_registry,
+        "test/tok",
+        "v1",
+        busybox_image(label="token"),
+        username=USER,
+        password=PASSWORD,
+    )
+    ref = f"{token_registry.host}/test/tok:v1"
+    async with RegistryClient() as client:
+        await _pull_blobs(client, ref, ContentStore(tmp_path / "a"), Credentials(USER, PASSWORD))
+        with pytest.raises(AuthError, match="token server refused"):
+            await _pull_blobs(client, ref, ContentStore(tmp_path / "b"), Credentials(USER, "guess"))

@@ -66,6 +66,9 @@ WRITE_TIMEOUT_SECONDS: Final = 30.0
 POOL_TIMEOUT_SECONDS: Final = 60.0
 # Connections kept per client: layer downloads run in parallel, bounded by the puller.
 MAX_CONNECTIONS: Final = 64
+# Tokens kept per client (one per registry, repository and credentials); past this the
+# expired ones go first, then the oldest: a node pulls from far fewer repositories.
+MAX_CACHED_TOKENS: Final = 1024
 # OAuth client id sent with refresh-token grants (containerd sends its own name).
 OAUTH_CLIENT_ID: Final = "podgate"
 USER_AGENT: Final = "podgate"
@@ -319,7 +322,10 @@ class RegistryClient:
         scopes = sorted({self._scope(repository), *challenge.params.get("scope", "").split()})
         scopes = [s for s in scopes if s]
         creds = ep.credentials
-        who = creds.username or ("identity-token" if creds.identity_token else "")
+        # Keyed by the whole secret (hashed): another password for the same user must not
+        # reuse a token it did not earn.
+        secret = f"{creds.username}\0{creds.password}\0{creds.identity_token}".encode()
+        who = hashlib.sha256(secret).hexdigest() if creds else ""
         key = (realm, service, " ".join(scopes), who)
         lock = self._token_locks.setdefault(key, asyncio.Lock())
         async with lock:
@@ -328,7 +334,20 @@ class RegistryClient:
                 return cached
             token = await self._fetch_token(ep, realm, service, scopes, registry)
             self._tokens[key] = token
-            return token
+        self._prune_tokens()
+        return token
+
+    def _prune_tokens(self) -> None:
+        if len(self._tokens) <= MAX_CACHED_TOKENS:
+            return
+        for key in [k for k, t in self._tokens.items() if not t.fresh()]:
+            del self._tokens[key]
+            self._token_locks.pop(key, None)
+        # Dicts keep insertion order: the first keys are the oldest tokens.
+        while len(self._tokens) > MAX_CACHED_TOKENS:
+            key = next(iter(self._tokens))
+            del self._tokens[key]
+            self._token_locks.pop(key, None)
 
     async def _fetch_token(
         self, ep: Endpoint, realm: str, service: str, scopes: list[str], registry: str

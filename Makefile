@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 # busybox for the sample images.
 DEBS_RUN := iproute2 procps util-linux runc busybox-static containernetworking-plugins iptables
 # What only the tests and benchmarks need: peers to compare with and to test against.
-DEBS_TEST := socat containerd dnsmasq-base
+DEBS_TEST := socat containerd dnsmasq-base docker-registry
 PYTEST_ARGS ?=
 STATE_DIR ?= /var/lib/podgate
 # The test environment is pinned: a green run is reproducible.

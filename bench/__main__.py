@@ -23,6 +23,7 @@ from rich.console import Console
 
 from bench import forward as bench_forward
 from bench import gateway as bench_gateway
+from bench import images as bench_images
 from bench import runtime as bench_runtime
 from bench import startup as bench_startup
 from bench.common import LOOP_CHOICES, format_size, parse_size
@@ -171,6 +172,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"runs of the command start-up timings, 0 skips (default {bench_startup.RUNS})",
     )
     parser.add_argument(
+        "--images",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also pull + unpack an image from a local registry: podgate vs containerd 1.6 "
+        "(default: on as root)",
+    )
+    parser.add_argument(
+        "--image-size",
+        type=parse_size,
+        default=bench_images.DEFAULT_IMAGE_SIZE,
+        help="bytes of the generated image of the images part (default 50M)",
+    )
+    parser.add_argument(
         "--json",
         type=Path,
         default=RESULTS_DIR / "latest.json",
@@ -238,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     forward = None
     startup = None
+    with_images = args.images if args.images is not None else os.geteuid() == 0
+    images = None
     try:
         if args.startup_runs > 0:
             startup = bench_startup.run_startup(args.startup_runs, progress)
@@ -252,6 +268,12 @@ def main(argv: list[str] | None = None) -> int:
             forward = bench_forward.run_forward(
                 options, progress, args.forward_paths, args.udp_datagrams
             )
+        if with_images:
+            why = bench_images.unavailable()
+            if why is None:
+                images = bench_images.run_images(args.image_size, options.runs, progress)
+            else:
+                err.print(f"[yellow]images part skipped: {why}[/yellow]")
     except ChildError as exc:
         err.print(f"[red]bench failed: {exc}[/red]")
         return 1
@@ -267,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
         data["forward"] = forward
     if startup is not None:
         data["startup"] = startup
+    if images is not None:
+        data["images"] = images
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(data, indent=1) + "\n")
     md_path = args.markdown or args.json.with_suffix(".md")
@@ -276,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         + ("\n" + bench_gateway.markdown(gateway) if gateway is not None else "")
         + ("\n" + bench_forward.markdown(forward) if forward is not None else "")
         + ("\n" + bench_startup.markdown(startup) if startup is not None else "")
+        + ("\n" + bench_images.markdown(images) if images is not None else "")
     )
     print_report(data, console)
     if runtime is not None:
@@ -286,11 +311,15 @@ def main(argv: list[str] | None = None) -> int:
         bench_forward.print_report(forward, console)
     if startup is not None:
         bench_startup.print_report(startup, console)
+    if images is not None:
+        bench_images.print_report(images, console)
     console.print(f"results: {args.json} and {md_path}")
     failed = [s for s in data["summary"]["throughput"] + data["summary"]["conns"] if s["errors"]]
     if gateway is not None and bench_gateway.failed(gateway):
         return 1
     if forward is not None and bench_forward.failed(forward):
+        return 1
+    if images is not None and bench_images.failed(images):
         return 1
     return 1 if failed or (runtime is not None and bench_runtime.failed(runtime)) else 0
 

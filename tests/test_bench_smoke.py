@@ -29,8 +29,10 @@ MAX_PLAUSIBLE_BYTES_PER_SECOND = 200e9
 def run_bench(tmp_path: Path, *args: str, timeout: float) -> tuple[dict[str, Any], str]:
     """`python -m bench ARGS` to success; its JSON results and the report it printed."""
     out = tmp_path / "results.json"
+    # The image pull part has a smoke test of its own (tests/images/test_bench_images.py).
+    images = [] if "--images" in args else ["--no-images"]
     done = subprocess.run(
-        [sys.executable, "-m", "bench", *args, "--json", str(out)],
+        [sys.executable, "-m", "bench", *args, *images, "--json", str(out)],
         cwd=REPO,
         capture_output=True,
         text=True,

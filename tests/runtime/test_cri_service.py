@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 
 from podgate.cri import api_pb2 as pb
 from podgate.cri import api_pb2_grpc as pb_grpc
+from podgate.images.store import ImageStore
 from podgate.model import (
     ContainerMetadata,
     ContainerRecord,
@@ -51,7 +52,7 @@ from podgate.runtime.api import (
 )
 from podgate.runtime.cri import convert
 from podgate.runtime.cri.errors import status_code
-from podgate.runtime.cri.service import ImageServicer, serve_cri, stop_cri
+from podgate.runtime.cri.service import serve_cri, stop_cri
 
 CREATED_BASE = 1_700_000_000_123_456_789  # arbitrary creation time, ns
 STREAM_BASE = "http://127.0.0.1:10010"
@@ -254,7 +255,7 @@ def short_dir() -> Any:
 async def cri(short_dir: str) -> AsyncIterator[Cri]:
     runtime = FakeRuntime()
     socket_path = os.path.join(short_dir, "cri.sock")
-    server = await serve_cri(_conforms(runtime), socket_path, image_fs_path=short_dir)
+    server = await serve_cri(_conforms(runtime), socket_path, images=ImageStore(short_dir))
     channel = grpc.aio.insecure_channel(f"unix://{socket_path}")
     try:
         yield Cri(
@@ -1065,33 +1066,29 @@ async def test_image_status_says_not_present(cri: Cri) -> None:
     assert not response.HasField("image")
 
 
-async def test_pull_and_remove_image_are_unimplemented(cri: Cri) -> None:
+async def test_pull_without_registry_client_is_unimplemented(cri: Cri) -> None:
     pull = pb.PullImageRequest(image=pb.ImageSpec(image="busybox:1.36"))
     details = await expect_status(cri.img.PullImage(pull), grpc.StatusCode.UNIMPLEMENTED)
-    assert "does not pull images" in details and "busybox:1.36" in details
-    remove = pb.RemoveImageRequest(image=pb.ImageSpec(image="busybox:1.36"))
-    details = await expect_status(cri.img.RemoveImage(remove), grpc.StatusCode.UNIMPLEMENTED)
-    assert "does not manage images" in details
+    assert "no registry client" in details and "busybox:1.36" in details
 
 
-async def test_image_fs_info_reports_the_state_dir_filesystem(cri: Cri) -> None:
+async def test_remove_unknown_image_is_success(cri: Cri) -> None:
+    for name in ("busybox:1.36", "0" * 64, "sha256:" + "0" * 64):
+        remove = pb.RemoveImageRequest(image=pb.ImageSpec(image=name))
+        assert await cri.img.RemoveImage(remove) == pb.RemoveImageResponse()
+
+
+async def test_image_fs_info_reports_the_image_store(cri: Cri) -> None:
     before = time.time_ns()
     response = await cri.img.ImageFsInfo(pb.ImageFsInfoRequest())
     after = time.time_ns()
     [usage] = response.image_filesystems
     assert list(response.container_filesystems) == []
-    assert usage.fs_id.mountpoint == cri.state_dir
+    assert usage.fs_id.mountpoint == os.path.join(cri.state_dir, "images")
     assert before <= usage.timestamp <= after
-    disk = shutil.disk_usage(cri.state_dir)
-    # Same filesystem as shutil sees, give or take what others wrote in between.
-    assert abs(usage.used_bytes.value - disk.used) < 256 * 1024 * 1024
-    assert 0 < usage.used_bytes.value <= disk.total
-    assert usage.HasField("inodes_used")
-
-
-async def test_image_fs_info_without_path_is_empty() -> None:
-    response = await ImageServicer().ImageFsInfo(pb.ImageFsInfoRequest(), None)  # type: ignore[arg-type]
-    assert response == pb.ImageFsInfoResponse()
+    # An empty store: its directories, and nothing like the whole disk.
+    assert 0 < usage.used_bytes.value < 1024 * 1024
+    assert usage.inodes_used.value >= 5
 
 
 # ----------------------------------------------------------------------------- socket
@@ -1108,7 +1105,7 @@ async def test_unserved_methods_are_unimplemented(cri: Cri) -> None:
 
 async def test_socket_is_private_and_removed_on_stop(short_dir: str) -> None:
     path = os.path.join(short_dir, "cri.sock")
-    server = await serve_cri(_conforms(FakeRuntime()), path)
+    server = await serve_cri(_conforms(FakeRuntime()), path, images=ImageStore(short_dir))
     try:
         mode = os.stat(path).st_mode
         assert stat.S_ISSOCK(mode)
@@ -1124,7 +1121,7 @@ async def test_stale_socket_is_replaced(short_dir: str) -> None:
     stale.bind(path)
     stale.close()
     assert stat.S_ISSOCK(os.lstat(path).st_mode)
-    server = await serve_cri(_conforms(FakeRuntime()), path)
+    server = await serve_cri(_conforms(FakeRuntime()), path, images=ImageStore(short_dir))
     try:
         async with grpc.aio.insecure_channel(f"unix://{path}") as channel:
             version = await pb_grpc.RuntimeServiceStub(channel).Version(pb.VersionRequest())
@@ -1137,11 +1134,11 @@ async def test_refuses_to_replace_a_regular_file(short_dir: str) -> None:
     path = os.path.join(short_dir, "cri.sock")
     Path(path).write_text("not a socket")
     with pytest.raises(FileExistsError):
-        await serve_cri(_conforms(FakeRuntime()), path)
+        await serve_cri(_conforms(FakeRuntime()), path, images=ImageStore(short_dir))
     assert Path(path).read_text() == "not a socket"
 
 
 async def test_rejects_a_socket_path_too_long_for_sun_path(short_dir: str) -> None:
     path = os.path.join(short_dir, "x" * 120 + ".sock")
     with pytest.raises(ValueError, match="longer than 107 bytes"):
-        await serve_cri(_conforms(FakeRuntime()), path)
+        await serve_cri(_conforms(FakeRuntime()), path, images=ImageStore(short_dir))

@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "attach": ("podgate.cli.exec", "attach_command", "Attach to a running container."),
     "agent": ("podgate.cli.agent", "agent", "The in-sandbox agent and one-shot forwarder."),
     "demo": ("podgate.cli.demo", "demo", "Serve an in-memory demo pod API (no runtime)."),
+    "images": ("podgate.cli.images", "images", "Pull, list, import and remove images."),
 }
 
 

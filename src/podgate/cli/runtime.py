@@ -9,6 +9,7 @@ import click
 from podgate.aio.loop import run
 from podgate.cli.logs import setup_logging
 from podgate.cli.nri import nri_config, nri_options
+from podgate.images.config import ConfigError, FileConfig, load_config
 from podgate.runtime.daemon import (
     DEFAULT_STATE_DIR,
     RuntimeConfig,
@@ -26,6 +27,13 @@ from podgate.runtime.streaming import DEFAULT_STREAM_IDLE_TIMEOUT_SECONDS, Insec
     help="Where pods, containers, logs and sockets are kept.",
 )
 @click.option("--cri-socket", default="", help="CRI unix socket [default: STATE_DIR/cri.sock].")
+@click.option(
+    "--config",
+    "config_file",
+    default="",
+    metavar="FILE",
+    help='TOML settings for images and registries ([images], [registries."HOST"]; see the README).',
+)
 @click.option(
     "--stream-address",
     default="127.0.0.1",
@@ -56,6 +64,7 @@ from podgate.runtime.streaming import DEFAULT_STREAM_IDLE_TIMEOUT_SECONDS, Insec
 def runtime(
     state_dir: str,
     cri_socket: str,
+    config_file: str,
     stream_address: str,
     stream_port: int,
     stream_socket: str,
@@ -76,6 +85,10 @@ def runtime(
         chosen = parse_backend_options(backends)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--backend") from exc
+    try:
+        file_config = load_config(config_file) if config_file else FileConfig()
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc), param_hint="--config") from exc
     config = RuntimeConfig(
         state_dir=state_dir,
         cri_socket=cri_socket,
@@ -86,6 +99,7 @@ def runtime(
         backends=chosen,
         nri=nri_config(**nri),
         nri_network=nri["network"] == "nri",
+        file=file_config,
     )
     try:
         run(run_daemon(config))

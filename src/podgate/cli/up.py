@@ -16,6 +16,7 @@ from podgate.cli.demo import write_kubeconfig
 from podgate.cli.errors import listen_failure
 from podgate.cli.logs import setup_logging
 from podgate.cli.nri import nri_config, nri_options
+from podgate.demo.sample_images import SampleImageError, ensure_sample_images
 from podgate.demo.samples import ensure_example, load_example
 from podgate.node.cri_client import CriClient, CriPodSource
 from podgate.node.gateway import GatewayConfig
@@ -119,6 +120,15 @@ async def _up(
         try:
             # The gateway binds first: a busy port fails before any pod starts.
             async with running_gateway(gateway_config, source) as gateway:
+                if samples:
+                    # The sample pods' images, built from the node's busybox-static: no registry.
+                    try:
+                        records = await asyncio.to_thread(ensure_sample_images, running.images)
+                    except SampleImageError as exc:
+                        log.warning("sample images not available: %s", exc)
+                    else:
+                        names = ", ".join(n for r in records for n in r.repo_tags)
+                        log.info("sample images: %s", names)
                 for sample in samples:
                     pod_ids.append(await ensure_example(running.runtime, sample))
                 if gateway.credentials is not None:

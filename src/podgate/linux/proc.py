@@ -16,7 +16,9 @@ from podgate.model import ProcessRef
 
 __all__ = [
     "SpawnError",
+    "atomic_write_bytes",
     "atomic_write_json",
+    "fsync_dir",
     "is_alive",
     "process_ref",
     "read_json",
@@ -113,11 +115,17 @@ async def _poll_gone(ref: ProcessRef, timeout: float) -> bool:
 
 def atomic_write_json(path: str, obj: Any) -> None:
     """Replace `path` with `obj` as JSON so readers see the old or the new file, never half."""
+    data = json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
+    atomic_write_bytes(path, data)
+
+
+def atomic_write_bytes(path: str, data: bytes) -> None:
+    """Replace `path` with `data`: temp file, fsync, rename, directory fsync."""
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(obj, f, separators=(",", ":"), sort_keys=True)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -125,6 +133,11 @@ def atomic_write_json(path: str, obj: Any) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+    fsync_dir(directory)
+
+
+def fsync_dir(directory: str | os.PathLike[str]) -> None:
+    """Make a rename or unlink inside `directory` durable."""
     dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(dir_fd)

@@ -6,6 +6,7 @@ children); a restarted daemon picks them up from the state directory.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Sequence
@@ -16,6 +17,9 @@ from podgate.backends.agent import AgentBackend
 from podgate.backends.base import Backend, Backends, BackendUnavailableError
 from podgate.backends.exec import ExecBackend
 from podgate.backends.netns import NetnsBackend
+from podgate.images.config import FileConfig
+from podgate.images.pull import Puller
+from podgate.images.store import DEFAULT_MAX_LAYER_BYTES, ImageStore
 from podgate.model import PodRecord
 from podgate.nri.adaptation import Adaptation, NriConfig
 from podgate.runtime.cri.service import serve_cri, stop_cri
@@ -63,6 +67,7 @@ class RuntimeConfig:
     backends: dict[str, list[str]] = field(default_factory=default_backends)
     nri: NriConfig | None = None  # None: no NRI at all
     nri_network: bool = False  # NRI plugins own pod networking (else loopback only)
+    file: FileConfig = field(default_factory=FileConfig)  # `--config FILE`: images, registries
 
     @property
     def cri_socket_path(self) -> str:
@@ -72,6 +77,7 @@ class RuntimeConfig:
 @dataclass(slots=True)
 class RunningRuntime:
     runtime: Runtime
+    images: ImageStore
     target: RuntimeTarget
     streaming: StreamingServer
     cri_socket: str
@@ -82,6 +88,17 @@ async def running_runtime(config: RuntimeConfig) -> AsyncIterator[RunningRuntime
     """Start everything; stop the servers (not the pods) on exit."""
     runtime = Runtime(config.state_dir)
     runtime.load()
+    # Loading the image store also removes what an interrupted pull or import left behind.
+    images = await asyncio.to_thread(
+        ImageStore,
+        config.state_dir,
+        config.file.images.max_layer_bytes or DEFAULT_MAX_LAYER_BYTES,
+    )
+    puller = Puller(
+        images,
+        config.file.registries,
+        max_concurrent_downloads=config.file.images.max_concurrent_downloads,
+    )
     netns = NetnsBackend()
 
     async def restart_shim(pod: PodRecord) -> None:
@@ -117,12 +134,13 @@ async def running_runtime(config: RuntimeConfig) -> AsyncIterator[RunningRuntime
         runtime.nri = runtime_nri
         await adaptation.start()
         log.info("NRI on unix://%s", config.nri.socket_path)
-    cri = await serve_cri(runtime, config.cri_socket_path, image_fs_path=config.state_dir)
+    cri = await serve_cri(runtime, config.cri_socket_path, images=images, puller=puller)
     log.info("CRI on unix://%s, streaming on %s", config.cri_socket_path, streaming.base_url)
     try:
-        yield RunningRuntime(runtime, target, streaming, config.cri_socket_path)
+        yield RunningRuntime(runtime, images, target, streaming, config.cri_socket_path)
     finally:
         await stop_cri(cri, config.cri_socket_path)
+        await puller.aclose()
         if adaptation is not None:
             runtime.nri = None
             await adaptation.stop()

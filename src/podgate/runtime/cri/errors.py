@@ -15,6 +15,8 @@ from typing import Any, TypeAlias, TypeVar
 import grpc
 import grpc.aio
 
+from podgate.images import registry
+from podgate.images.pull import ResourceError, UnpackError
 from podgate.runtime.api import (
     DeadlineExceededError,
     FailedPreconditionError,
@@ -34,6 +36,14 @@ ERROR_CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (FailedPreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
     (ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (DeadlineExceededError, grpc.StatusCode.DEADLINE_EXCEEDED),
+    # Pulls: the message names the image and the registry (containerd's wording).
+    (registry.NotFoundError, grpc.StatusCode.NOT_FOUND),
+    (registry.AuthError, grpc.StatusCode.PERMISSION_DENIED),
+    (registry.UnavailableError, grpc.StatusCode.UNAVAILABLE),
+    (registry.VerificationError, grpc.StatusCode.DATA_LOSS),
+    (ResourceError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (UnpackError, grpc.StatusCode.FAILED_PRECONDITION),
+    (registry.RegistryError, grpc.StatusCode.UNKNOWN),
 )
 
 _Servicer = TypeVar("_Servicer")

@@ -7,18 +7,29 @@ return a one-time URL on the runtime's streaming server.
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import contextlib
 import os
 import stat
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 import grpc
 import grpc.aio
 
 from podgate.cri import api_pb2 as pb
 from podgate.cri import api_pb2_grpc as pb_grpc
-from podgate.runtime.api import NotFoundError, RuntimeApi
+from podgate.images.config import Credentials
+from podgate.images.reference import InvalidReferenceError, parse_normalized
+from podgate.images.store import ImageRecord, ImageStore
+from podgate.runtime.api import (
+    DeadlineExceededError,
+    InvalidArgumentError,
+    NotFoundError,
+    RuntimeApi,
+)
 from podgate.runtime.cri import convert
 from podgate.runtime.cri.errors import Context, cri_method
 
@@ -39,6 +50,8 @@ MAX_SEND_MESSAGE_BYTES = 2 * MAX_MESSAGE_BYTES + 1024 * 1024
 STOP_GRACE_SECONDS = 5.0
 
 Clock = Callable[[], int]  # nanoseconds since the epoch
+# Names a CRI AuthConfig.server_address may give Docker Hub (reference names say docker.io).
+DOCKER_HUB_ALIASES = {"index.docker.io": "docker.io", "registry-1.docker.io": "docker.io"}
 
 
 class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
@@ -251,61 +264,136 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
         return pb.PortForwardResponse(url=url)
 
 
-class ImageServicer(pb_grpc.ImageServiceServicer):
-    """podgate runs commands on the node's (or a pod's root) filesystem and keeps no images.
+class Puller(Protocol):
+    """Fetches an image from its registry into the image store (images/pull.py)."""
 
-    ListImages is empty and ImageStatus says "not present". ImageFsInfo reports the
-    filesystem that holds `image_fs_path` (the state directory), measured with statvfs: its
-    used bytes and inodes, as a bound on what podgate keeps there; with no path, no filesystems.
+    async def pull(self, reference: str, credentials: Credentials | None) -> str:
+        """Pull `reference` (normalised) and register it; returns the image ID."""
+        ...
+
+
+def credentials_from_auth(auth: pb.AuthConfig, reference: str) -> Credentials | None:
+    """CRI AuthConfig → registry credentials, as containerd reads it (images-and-oci.md §2.3)."""
+    if auth.server_address:
+        # Credentials meant for another registry are not sent to this one.
+        host = auth.server_address.split("://", 1)[-1].split("/", 1)[0]
+        # Docker config files key Docker Hub as https://index.docker.io/v1/.
+        host = DOCKER_HUB_ALIASES.get(host, host)
+        if host != parse_normalized(reference).domain:
+            return None
+    if auth.username:
+        return Credentials(username=auth.username, password=auth.password)
+    if auth.identity_token:
+        return Credentials(identity_token=auth.identity_token)
+    if auth.auth:
+        try:
+            user, sep, password = base64.b64decode(auth.auth, validate=True).decode().partition(":")
+        except (ValueError, UnicodeDecodeError):
+            raise InvalidArgumentError("auth is not base64 of user:password") from None
+        if not sep:
+            raise InvalidArgumentError("auth is not base64 of user:password")
+        return Credentials(username=user, password=password)
+    if auth.registry_token:
+        # A bearer token for the registry itself (containerd ignores it; podgate sends it).
+        return Credentials(registry_token=auth.registry_token)
+    return None
+
+
+def image_message(rec: ImageRecord) -> pb.Image:
+    image = pb.Image(
+        id=rec.id,
+        repo_tags=rec.repo_tags,
+        repo_digests=rec.repo_digests,
+        size=rec.size,
+        username=rec.username,
+        pinned=rec.pinned,
+    )
+    if rec.uid is not None:
+        image.uid.value = rec.uid
+    return image
+
+
+class ImageServicer(pb_grpc.ImageServiceServicer):
+    """The image service over podgate's image store (podgate.images).
+
+    Lookups follow containerd: an ID, a name normalised as docker does, or a unique ID prefix.
+    Store operations that touch the disk at length (removal with GC, usage walks) run in a
+    worker thread so the event loop keeps serving. PullImage needs a `Puller`; without one it
+    answers UNIMPLEMENTED.
     """
 
-    def __init__(self, image_fs_path: str | None = None, clock: Clock = time.time_ns) -> None:
-        self.image_fs_path = image_fs_path
+    def __init__(
+        self, images: ImageStore, puller: Puller | None = None, clock: Clock = time.time_ns
+    ) -> None:
+        self.images = images
+        self.puller = puller
         self.clock = clock
 
     @cri_method
     async def ListImages(
         self, request: pb.ListImagesRequest, context: Context
     ) -> pb.ListImagesResponse:
-        return pb.ListImagesResponse()
+        wanted = request.filter.image.image if request.HasField("filter") else ""
+        # Lookups take the store's lock (and a file lock shared with `podgate images import`):
+        # in a worker thread, so the event loop never waits on them.
+        if wanted:
+            rec = await asyncio.to_thread(self.images.get, wanted)
+            records = [rec] if rec is not None else []
+        else:
+            records = await asyncio.to_thread(self.images.images)
+        return pb.ListImagesResponse(images=[image_message(r) for r in records])
 
     @cri_method
     async def ImageStatus(
         self, request: pb.ImageStatusRequest, context: Context
     ) -> pb.ImageStatusResponse:
-        return pb.ImageStatusResponse()
+        rec = await asyncio.to_thread(self.images.get, request.image.image)
+        if rec is None:
+            return pb.ImageStatusResponse()
+        info = self.images.verbose_info(rec) if request.verbose else {}
+        return pb.ImageStatusResponse(image=image_message(rec), info=info)
 
     @cri_method
     async def PullImage(
         self, request: pb.PullImageRequest, context: Context
     ) -> pb.PullImageResponse:
-        await context.abort(
-            grpc.StatusCode.UNIMPLEMENTED,
-            f"podgate does not pull images (asked for {request.image.image!r}); "
-            "containers run on the node's filesystem",
-        )
+        if self.puller is None:
+            await context.abort(
+                grpc.StatusCode.UNIMPLEMENTED,
+                f"this runtime has no registry client configured; cannot pull "
+                f"{request.image.image!r} (load images with `podgate images import`)",
+            )
+        try:
+            reference = str(parse_normalized(request.image.image))
+        except InvalidReferenceError as exc:
+            raise InvalidArgumentError(str(exc)) from exc
+        credentials = credentials_from_auth(request.auth, reference)
+        remaining = context.time_remaining()
+        try:
+            async with asyncio.timeout(remaining):
+                image_id = await self.puller.pull(reference, credentials)
+        except TimeoutError:
+            raise DeadlineExceededError(f"pulling {reference!r}: deadline exceeded") from None
+        return pb.PullImageResponse(image_ref=image_id)
 
     @cri_method
     async def RemoveImage(
         self, request: pb.RemoveImageRequest, context: Context
     ) -> pb.RemoveImageResponse:
-        await context.abort(
-            grpc.StatusCode.UNIMPLEMENTED,
-            f"podgate does not manage images (asked to remove {request.image.image!r})",
-        )
+        # An unknown image is success (the kubelet's GC and critest rely on it).
+        await asyncio.to_thread(self.images.remove, request.image.image)
+        return pb.RemoveImageResponse()
 
     @cri_method
     async def ImageFsInfo(
         self, request: pb.ImageFsInfoRequest, context: Context
     ) -> pb.ImageFsInfoResponse:
-        if self.image_fs_path is None:
-            return pb.ImageFsInfoResponse()
-        st = os.statvfs(self.image_fs_path)
+        used = await asyncio.to_thread(self.images.fs_info)
         usage = pb.FilesystemUsage(
             timestamp=self.clock(),
-            fs_id=pb.FilesystemIdentifier(mountpoint=self.image_fs_path),
-            used_bytes=pb.UInt64Value(value=(st.f_blocks - st.f_bfree) * st.f_frsize),
-            inodes_used=pb.UInt64Value(value=st.f_files - st.f_ffree),
+            fs_id=pb.FilesystemIdentifier(mountpoint=used.mountpoint),
+            used_bytes=pb.UInt64Value(value=used.used_bytes),
+            inodes_used=pb.UInt64Value(value=used.inodes_used),
         )
         return pb.ImageFsInfoResponse(image_filesystems=[usage])
 
@@ -321,7 +409,7 @@ def _remove_stale_socket(path: str) -> None:
 
 
 async def serve_cri(
-    runtime: RuntimeApi, socket_path: str, *, image_fs_path: str | None = None
+    runtime: RuntimeApi, socket_path: str, *, images: ImageStore, puller: Puller | None = None
 ) -> grpc.aio.Server:
     """Start the CRI services on `unix://<socket_path>` (mode 0600) and return the server."""
     if len(os.fsencode(socket_path)) > MAX_SOCKET_PATH_BYTES:
@@ -334,7 +422,7 @@ async def serve_cri(
         ]
     )
     pb_grpc.add_RuntimeServiceServicer_to_server(RuntimeServicer(runtime), server)
-    pb_grpc.add_ImageServiceServicer_to_server(ImageServicer(image_fs_path), server)
+    pb_grpc.add_ImageServiceServicer_to_server(ImageServicer(images, puller), server)
     # The socket is bound here; the umask keeps it private from its first moment.
     old_umask = os.umask(0o777 & ~SOCKET_MODE)
     try:

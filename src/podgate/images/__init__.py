@@ -1,0 +1,1 @@
+"""podgate.images: the local image service — references, content store, snapshots, image records."""

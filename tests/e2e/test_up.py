@@ -127,3 +127,47 @@ def test_port_forward_reaches_the_loopback_only_server(up: dict[str, str]) -> No
         pf.wait(10)
         assert pf.stdout is not None
         pf.stdout.close()
+
+
+def test_readme_udp_example_echoes_through_podgate_port_forward(up: dict[str, str]) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        local = s.getsockname()[1]
+    env = {**os.environ, "HOME": up["home"]}
+    pf = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "podgate",
+            "port-forward",
+            "--kubeconfig",
+            up["kubeconfig"],
+            "pod/udp-echo",
+            f"{local}:9053/udp",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        payloads = [os.urandom(n) for n in (1, 512, 1400)]
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as client:
+            client.settimeout(1.0)
+            deadline = time.monotonic() + 60
+            echoed: list[bytes] = []
+            for payload in payloads:
+                while True:  # the forward may still be starting: retry until it answers
+                    client.sendto(payload, ("127.0.0.1", local))
+                    try:
+                        echoed.append(client.recv(65535))
+                        break
+                    except TimeoutError:
+                        assert pf.poll() is None, pf.stderr.read() if pf.stderr else ""
+                        assert time.monotonic() < deadline, "no UDP echo through the forward"
+        assert echoed == payloads
+    finally:
+        pf.terminate()
+        pf.wait(10)
+        if pf.stderr is not None:
+            pf.stderr.close()

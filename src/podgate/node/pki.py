@@ -9,13 +9,11 @@ replaces what is missing, expired, or no longer fits the request.
 from __future__ import annotations
 
 import base64
-import contextlib
 import datetime
 import ipaddress
 import os
 import re
 import ssl
-import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +24,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from podgate.files import atomic_write
 
 CA_VALIDITY_DAYS = 3650  # days; the CA is baked into every kubeconfig, so it should outlive them
 LEAF_VALIDITY_DAYS = 365  # days; server and client certificates, renewed by `ensure_pki`
@@ -419,20 +419,7 @@ def _write_cert(path: Path, cert: x509.Certificate) -> None:
 
 
 def _atomic_write(path: Path, data: bytes, mode: int) -> None:
-    """Write via a temporary file in the same directory and rename, so readers never see a
-    partial file and a crash leaves the old one in place."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), mode)  # before any secret byte is written
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    atomic_write(path, data, mode=mode)
 
 
 def _b64_file(path: Path | str) -> str:

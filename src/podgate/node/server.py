@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-import os
 import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from podgate.files import atomic_write
 from podgate.node.gateway import Gate, GatewayConfig, load_guard
 from podgate.node.kubeapi import KubeApi, PodSource
 from podgate.node.pki import Pki, ensure_pki, write_kubeconfig
@@ -53,15 +53,14 @@ def ensure_credentials(state_dir: str, server_url: str, hosts: list[str]) -> Cre
     token_file = root / "tokens.csv"
     if not token_file.exists():
         token = secrets.token_urlsafe(32)
-        fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write('# token,user,uid,"group1,group2"\n')
-            f.write(f'{token},{ADMIN_USER},{ADMIN_USER},"{ADMIN_GROUP}"\n')
+        text = (
+            f'# token,user,uid,"group1,group2"\n{token},{ADMIN_USER},{ADMIN_USER},"{ADMIN_GROUP}"\n'
+        )
+        atomic_write(token_file, text.encode(), replace=False)
     admin_token = _first_token(token_file, ADMIN_USER)
     policy_file = root / "policy.toml"
     if not policy_file.exists():
-        policy_file.write_text(DEFAULT_POLICY)
-        policy_file.chmod(0o600)
+        atomic_write(policy_file, DEFAULT_POLICY.encode(), replace=False)
     kubeconfig = root / "kubeconfig"
     write_kubeconfig(
         kubeconfig,

@@ -349,7 +349,7 @@ async def test_a_plugin_type_that_is_a_path_is_refused(
     conflist = fake_conflist(log)
     conflist["plugins"][0]["type"] = name
     # Refused when the config is read, with libcni's reason ...
-    with pytest.raises(CniConfigError, match="invalid plugin name .*not a path"):
+    with pytest.raises(CniConfigError, match=r"invalid plugin name .*not a path"):
         Cni(conflist, state_dir=tmp_path / "s", plugin_dirs=[str(fake_dir)], loopback=False)
     # ... and again when a config built in code reaches the plugin lookup: nothing runs.
     (fake_dir / "sub").mkdir(exist_ok=True)

@@ -13,7 +13,7 @@ import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["DEFAULT_FILE_MODE", "atomic_write", "fsync_directory"]
+__all__ = ["DEFAULT_FILE_MODE", "atomic_write", "fsync_directory", "rotate"]
 
 DEFAULT_FILE_MODE = 0o600  # owner only: most of what podgate writes is state or a secret
 
@@ -56,3 +56,21 @@ def atomic_write(
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
     fsync_directory(directory)
+
+
+def rotate(path: str | os.PathLike[str], keep: int) -> None:
+    """Move a log aside by size rotation: `path` → `path.1` → … → `path.<keep>`, dropping
+    the oldest; with `keep` 0 the log is simply removed. The caller then opens a new one."""
+    base = os.fspath(path)
+    numbered = [f"{base}.{n}" for n in range(1, keep + 1)]
+    with contextlib.suppress(FileNotFoundError):
+        if keep == 0:
+            os.unlink(base)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(numbered[-1])
+            for older, newer in zip(reversed(numbered[1:]), reversed(numbered[:-1]), strict=True):
+                with contextlib.suppress(FileNotFoundError):
+                    os.rename(newer, older)
+            os.rename(base, numbered[0])
+    fsync_directory(os.path.dirname(os.path.abspath(base)))

@@ -12,7 +12,6 @@ import click
 
 import podgate
 from podgate.aio.loop import run
-from podgate.cli.demo import write_kubeconfig
 from podgate.cli.logs import setup_logging
 from podgate.cli.nri import nri_config, nri_options
 from podgate.demo.samples import ensure_example, load_example
@@ -42,7 +41,8 @@ def default_examples() -> str:
 @click.option(
     "--plain-http",
     is_flag=True,
-    help="Serve the API over plain HTTP without authentication (loopback only).",
+    help="Serve the API over plain HTTP on loopback, still requiring the bearer token of "
+    "STATE_DIR/node/kubeconfig-token (the Python client sends it over HTTP; kubectl does not).",
 )
 @click.option(
     "--examples",
@@ -110,11 +110,10 @@ async def _up(
         )
         try:
             async with running_gateway(gateway_config, source) as gateway:
-                if gateway.credentials is not None:
-                    kubeconfig = str(gateway.credentials.kubeconfig)
-                else:
-                    kubeconfig = str(Path(node_dir) / "kubeconfig")
-                    write_kubeconfig(kubeconfig, "127.0.0.1", gateway.port)
+                credentials = gateway.credentials
+                kubeconfig = str(
+                    credentials.kubeconfig_token if plain_http else credentials.kubeconfig
+                )
                 print(
                     f"podgate ready api={gateway.url} kubeconfig={kubeconfig} "
                     f"cri=unix://{running.cri_socket}",

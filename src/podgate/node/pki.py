@@ -107,6 +107,55 @@ class Pki:
         return crt_path, key_path
 
 
+@dataclass(frozen=True, slots=True)
+class OperatorTls:
+    """TLS material an operator brings instead of the generated PKI."""
+
+    cert: Path  # server certificate (chain), PEM
+    key: Path
+    client_ca: Path | None = None  # CA bundle that client certificates must chain to
+
+    def server_ssl_context(self) -> ssl.SSLContext:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.load_cert_chain(self.cert, self.key)
+        ctx.set_alpn_protocols(ALPN_PROTOCOLS)
+        if self.client_ca is not None:
+            ctx.load_verify_locations(cafile=self.client_ca)
+            ctx.verify_mode = ssl.CERT_OPTIONAL
+        return ctx
+
+    def server_names(self) -> list[str]:
+        """The DNS names and IP addresses the server certificate is valid for."""
+        return certificate_names(self.cert)
+
+    def issuer_bundle(self) -> Path | None:
+        """A CA file that verifies the server certificate (for kubeconfigs), if we have one:
+        the client CA when it issued the server certificate."""
+        if self.client_ca is None:
+            return None
+        leaf = x509.load_pem_x509_certificate(self.cert.read_bytes())
+        for ca in x509.load_pem_x509_certificates(self.client_ca.read_bytes()):
+            try:
+                leaf.verify_directly_issued_by(ca)
+            except (ValueError, TypeError, InvalidSignature):
+                continue
+            return self.client_ca
+        return None
+
+
+def certificate_names(cert_path: Path | str) -> list[str]:
+    """The subjectAltName entries (DNS and IP) of the first certificate in a PEM file."""
+    cert = x509.load_pem_x509_certificate(Path(cert_path).read_bytes())
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return []
+    return [*san.get_values_for_type(x509.DNSName)] + [
+        str(ip) for ip in san.get_values_for_type(x509.IPAddress)
+    ]
+
+
 def ensure_pki(
     directory: Path | str,
     *,

@@ -362,7 +362,9 @@ class KubeApi:
         self.source = source
         self.guard = guard
         self.idle_timeout = idle_timeout
-        self.origins = origins or RequestOrigins()
+        # Without explicit names (an in-process API for tests) any Host goes; every server the
+        # CLI starts passes the names it serves.
+        self.origins = origins or RequestOrigins(check_host=False)
         self.preauth = preauth or PreAuth()
 
     async def _pods(self) -> list[PodView]:

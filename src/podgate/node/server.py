@@ -144,6 +144,7 @@ class RunningGateway:
     port: int
     gate: Gate
     credentials: Credentials
+    preauth: PreAuth
 
 
 @asynccontextmanager
@@ -204,7 +205,7 @@ async def running_gateway(
         gate.metrics.serve(config.metrics_port)
     log.info("node gateway on %s", url)
     try:
-        yield RunningGateway(url, port, gate, credentials)
+        yield RunningGateway(url, port, gate, credentials, api.preauth)
     finally:
         server.close()
         await server.wait_closed()

@@ -446,6 +446,9 @@ class KubeApi:
             who = self.guard.identify(conn, request)
             if who is None:
                 await self._send_status(conn, handshake, 401, "Unauthorized", "Unauthorized")
+                # Pipelined requests are parsed without waiting: give every other connection
+                # (an authenticated user's among them) its turn before the next anonymous one.
+                await asyncio.sleep(0)
                 return handshake.must_close
         if ticket is not None:
             ticket.release()

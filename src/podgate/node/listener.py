@@ -138,9 +138,11 @@ class Listener:
         loop = asyncio.get_running_loop()
         try:
             try:
+                # Our own protocol object: uvloop returns its SSL protocol, not the app's.
+                protocol = SocketStream.protocol_factory()
                 async with asyncio.timeout_at(ticket.deadline):
-                    _, protocol = await loop.connect_accepted_socket(
-                        SocketStream.protocol_factory,
+                    await loop.connect_accepted_socket(
+                        lambda: protocol,
                         conn,
                         ssl=self._ssl,
                         ssl_handshake_timeout=(

@@ -21,6 +21,7 @@ from types import FrameType
 
 from rich.console import Console
 
+from bench import authflood as bench_authflood
 from bench import forward as bench_forward
 from bench import gateway as bench_gateway
 from bench import runtime as bench_runtime
@@ -164,6 +165,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         f"{bench_forward.UDP_DATAGRAMS} at --size 1G, proportionally fewer for smaller sizes)",
     )
     parser.add_argument(
+        "--authflood",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also time kubectl exec through `podgate demo` quiet and during an anonymous "
+        "request flood (default: on, unless --skip-kubectl)",
+    )
+    parser.add_argument(
+        "--authflood-seconds",
+        type=float,
+        default=bench_authflood.FLOOD_SECONDS,
+        help=f"length of the anonymous flood (default {bench_authflood.FLOOD_SECONDS:g})",
+    )
+    parser.add_argument(
         "--json",
         type=Path,
         default=RESULTS_DIR / "latest.json",
@@ -230,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
         args.forward if args.forward is not None else os.geteuid() == 0 and not args.skip_kubectl
     )
     forward = None
+    with_authflood = args.authflood if args.authflood is not None else not args.skip_kubectl
+    authflood = None
     try:
         results = run_all(options, progress=progress)
         if with_runtime and options.throughput:
@@ -241,6 +257,10 @@ def main(argv: list[str] | None = None) -> int:
         if with_forward:
             forward = bench_forward.run_forward(
                 options, progress, args.forward_paths, args.udp_datagrams
+            )
+        if with_authflood:
+            authflood = bench_authflood.run_authflood(
+                args.kubectl, progress, args.authflood_seconds
             )
     except ChildError as exc:
         err.print(f"[red]bench failed: {exc}[/red]")
@@ -255,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         data["gateway"] = gateway
     if forward is not None:
         data["forward"] = forward
+    if authflood is not None:
+        data["authflood"] = authflood
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(data, indent=1) + "\n")
     md_path = args.markdown or args.json.with_suffix(".md")
@@ -263,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         + ("\n" + bench_runtime.markdown(runtime) if runtime is not None else "")
         + ("\n" + bench_gateway.markdown(gateway) if gateway is not None else "")
         + ("\n" + bench_forward.markdown(forward) if forward is not None else "")
+        + ("\n" + bench_authflood.markdown(authflood) if authflood is not None else "")
     )
     print_report(data, console)
     if runtime is not None:
@@ -271,11 +294,15 @@ def main(argv: list[str] | None = None) -> int:
         bench_gateway.print_report(gateway, console)
     if forward is not None:
         bench_forward.print_report(forward, console)
+    if authflood is not None:
+        bench_authflood.print_report(authflood, console)
     console.print(f"results: {args.json} and {md_path}")
     failed = [s for s in data["summary"]["throughput"] + data["summary"]["conns"] if s["errors"]]
     if gateway is not None and bench_gateway.failed(gateway):
         return 1
     if forward is not None and bench_forward.failed(forward):
+        return 1
+    if authflood is not None and bench_authflood.failed(authflood):
         return 1
     return 1 if failed or (runtime is not None and bench_runtime.failed(runtime)) else 0
 

@@ -24,6 +24,9 @@ from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from bench.authflood import FLOOD_CLIENT, percentile
+
 pytestmark = [pytest.mark.e2e]
 
 READY_TIMEOUT_SECONDS = 30.0
@@ -38,34 +41,6 @@ KUBECTL_TIMEOUT_SECONDS = 60.0
 AUDIT_LIMIT_BYTES = 1024 * 1024
 READY = re.compile(r"podgate demo API on https://127\.0\.0\.1:(\d+)")
 KUBECONFIG = re.compile(r"kubeconfig: (\S+)")
-
-# One flood process: anonymous pipelined requests over TLS until the deadline; prints its count.
-FLOOD = r"""
-import socket, ssl, sys, time
-port, seconds, batch, ca = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-ctx = ssl.create_default_context(cafile=ca)
-request = f"GET /api/v1/namespaces/default/pods HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode()
-deadline = time.monotonic() + seconds
-answered = refused = 0
-while time.monotonic() < deadline:
-    try:
-        with ctx.wrap_socket(socket.create_connection(("127.0.0.1", port), timeout=10),
-                             server_hostname="127.0.0.1") as s:
-            while time.monotonic() < deadline:
-                s.sendall(request * batch)
-                buffered = b""
-                got = 0
-                while got < batch:
-                    chunk = s.recv(1 << 20)
-                    if not chunk:
-                        raise ConnectionError("closed")
-                    buffered += chunk
-                    got = buffered.count(b"HTTP/1.1 401")
-                answered += got
-    except (OSError, ssl.SSLError):
-        refused += 1
-print(answered, refused)
-"""
 
 
 @dataclass
@@ -178,11 +153,6 @@ def test_demo_kubeconfig_works_with_kubectl(demo: Demo) -> None:
     assert "insecure-skip-tls-verify" not in text
 
 
-def percentile(values: list[float], p: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
-
-
 def test_anonymous_flood_leaves_the_audit_small_and_kubectl_working(
     demo: Demo, tmp_path: Path
 ) -> None:
@@ -190,7 +160,7 @@ def test_anonymous_flood_leaves_the_audit_small_and_kubectl_working(
     audit = demo.state / "audit.log"
     before = audit.stat().st_size if audit.exists() else 0
     script = tmp_path / "flood.py"
-    script.write_text(FLOOD)
+    script.write_text(FLOOD_CLIENT)
     ca = str(demo.state / "pki" / "ca.crt")
     argv = [sys.executable, str(script), str(demo.port), str(FLOOD_SECONDS), str(FLOOD_BATCH), ca]
     flooders = [

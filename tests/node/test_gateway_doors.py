@@ -182,6 +182,29 @@ async def test_an_allow_listed_origin_and_a_san_are_accepted(tmp_path: Path) -> 
         assert other.status == 403
 
 
+def test_the_gateways_own_origin_is_not_cross_site() -> None:
+    """The Python client's WebSocket library sends the origin of the URL it dials."""
+    origins = RequestOrigins(["10.1.2.3"])
+
+    def check(host: str, origin: str) -> int | None:
+        request = UpgradeRequest(
+            "GET", "/", ((b"host", host.encode()), (b"origin", origin.encode()))
+        )
+        refusal = origins.check(request)
+        return None if refusal is None else refusal.status
+
+    assert check("127.0.0.1:6443", "https://127.0.0.1:6443") is None
+    assert check("10.1.2.3:6443", "https://10.1.2.3:6443") is None
+    assert check("10.1.2.3", "https://10.1.2.3:443") is None
+    assert check("[::1]:6443", "https://[::1]:6443") is None
+    # Another port, another name, a path, a rebound name: all cross-site.
+    assert check("127.0.0.1:6443", "https://127.0.0.1:8443") == 403
+    assert check("127.0.0.1:6443", "https://localhost:6443") == 403
+    assert check("127.0.0.1:6443", "https://127.0.0.1:6443/x") == 403
+    assert check("127.0.0.1:6443", "null") == 403
+    assert check("evil.example:6443", "https://evil.example:6443") == 403
+
+
 def test_host_names_are_parsed_like_go() -> None:
     assert host_name("Example.COM:8443") == "example.com"
     assert host_name("[::1]:6443") == "::1"

@@ -39,9 +39,9 @@ DEFAULT_AUDIT_KEEP: Final = 5
 # Denials are counted per source over this many seconds.
 DENIAL_INTERVAL_SECONDS: Final = 10.0
 # Denials of one source written in full per interval; the rest are only counted.
-DENIALS_PER_SOURCE: Final = 5
+DENIALS_PER_SOURCE: Final = 20
 # Denials of all sources written in full per interval (many sources cannot flood either).
-DENIALS_PER_INTERVAL: Final = 50
+DENIALS_PER_INTERVAL: Final = 100
 # Sources named in one summary line; the others are summed under "other".
 SUMMARY_SOURCES: Final = 100
 # Lines waiting for the writer thread; beyond this they are dropped and counted, so a stalled

@@ -1,8 +1,11 @@
 """Who may send a request, by its `Origin` and `Host` headers (cross-site and DNS rebinding).
 
-kubectl, client-go and the Python client never send `Origin`; a browser always does on a
-cross-site fetch or WebSocket. So a request carrying `Origin` is refused (403) unless the
-origin is on an explicit allow-list. `Host` must name the gateway: one of the names it serves
+kubectl and client-go never send `Origin`; a browser always does on a cross-site fetch or
+WebSocket. The Python client's WebSocket library sends the server's own origin
+(`https://HOST:PORT` of the URL it dials). So a request carrying `Origin` is refused (403)
+unless the origin is the gateway itself — the same scheme-less authority as `Host`, a name
+the gateway serves; it serves no pages, so no page can have that origin — or is on an
+explicit allow-list. `Host` must name the gateway: one of the names it serves
 (listen address, certificate SANs) or a loopback form; a page whose DNS name was rebound to
 our address sends its own name and is refused with 421 Misdirected Request.
 """
@@ -53,6 +56,19 @@ def host_name(value: str) -> str | None:
     return name
 
 
+_DEFAULT_PORTS = {"http": 80, "https": 443, "ws": 80, "wss": 443}
+
+
+def _authority(value: str, default_port: int) -> tuple[str, int] | None:
+    """(canonical host, port) of `host[:port]`, the port defaulted."""
+    name = host_name(value)
+    if name is None:
+        return None
+    rest = value.rsplit("]", 1)[1] if value.startswith("[") else value
+    port = rest.rpartition(":")[2] if ":" in rest else ""
+    return _canonical(name), int(port) if port else default_port
+
+
 def _is_port(text: str, sep: str) -> bool:
     return sep == ":" and text.isdigit() and len(text) <= 5
 
@@ -92,11 +108,23 @@ class RequestOrigins:
         except ValueError:
             return False
 
+    def _same_origin(self, origin: str, request: UpgradeRequest) -> bool:
+        """The Origin names this gateway, exactly as the request's Host does."""
+        scheme, sep, authority = origin.strip().lower().partition("://")
+        hosts = request.header_values("host")
+        if not sep or scheme not in _DEFAULT_PORTS or len(hosts) != 1 or "/" in authority:
+            return False
+        ours = _authority(hosts[0].strip().lower(), _DEFAULT_PORTS[scheme])
+        theirs = _authority(authority, _DEFAULT_PORTS[scheme])
+        return ours is not None and ours == theirs and self._host_allowed(ours[0])
+
     def check(self, request: UpgradeRequest) -> Refusal | None:
         """None if the request may go on, else how to refuse it."""
         origins = request.header_values("origin")
         for origin in origins:
-            if origin.strip().rstrip("/").lower() not in self.allowed_origins:
+            if origin.strip().rstrip(
+                "/"
+            ).lower() not in self.allowed_origins and not self._same_origin(origin, request):
                 return Refusal(
                     403,
                     "Forbidden",

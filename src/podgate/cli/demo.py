@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
-import os
-import shutil
 import tempfile
+from pathlib import Path
 
 import click
 
 from podgate.aio.loop import run
 from podgate.demo.api import DemoPod, DemoSource
+from podgate.files import atomic_write
 from podgate.node.gateway import GatewayConfig
 from podgate.node.server import running_gateway
 from podgate.runtime.daemon import wait_for_signal
@@ -39,6 +40,10 @@ users:
 def write_kubeconfig(path: str, host: str, port: int) -> None:
     with open(path, "w") as f:
         f.write(KUBECONFIG_TEMPLATE.format(host=host, port=port))
+
+
+def _copy(source: str, target: str) -> None:
+    atomic_write(target, Path(source).read_bytes())
 
 
 @click.command()
@@ -81,8 +86,7 @@ def demo(port: int, kubeconfig: str | None, state_dir: str | None, attach_comman
         async with running_gateway(config, source) as gateway:
             path = str(gateway.credentials.kubeconfig_token)
             if kubeconfig is not None:
-                shutil.copyfile(path, kubeconfig)
-                os.chmod(kubeconfig, 0o600)
+                await asyncio.to_thread(_copy, path, kubeconfig)
                 path = kubeconfig
             click.echo(f"podgate demo API on {gateway.url} (bearer token in the kubeconfig)")
             click.echo(f"kubeconfig: {path}\n\nTry:")

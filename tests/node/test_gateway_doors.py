@@ -244,7 +244,7 @@ async def test_unauthenticated_connections_are_capped_and_recover(tmp_path: Path
         api = get("/api", f"127.0.0.1:{gateway.port}")
         # Four silent connections (no TLS handshake) hold every slot ...
         idle = [await asyncio.open_connection("127.0.0.1", gateway.port) for _ in range(4)]
-        for _ in range(50):  # ... once the gateway has accepted them.
+        for _ in range(400):  # ... once the gateway has accepted them.
             if gateway_preauth(gateway).pending == 4:
                 break
             await asyncio.sleep(0.05)
@@ -257,7 +257,7 @@ async def test_unauthenticated_connections_are_capped_and_recover(tmp_path: Path
         # An authenticated connection frees its slot: it does not count against the cap.
         for _, writer in idle:
             writer.close()
-        for _ in range(100):
+        for _ in range(400):
             if gateway_preauth(gateway).pending == 0:
                 break
             await asyncio.sleep(0.05)

@@ -175,9 +175,13 @@ class Listener:
         with contextlib.suppress(asyncio.CancelledError):
             await self._accepting
 
-    def close_clients(self) -> None:
-        for task in list(self._tasks):
+    async def close_clients(self) -> None:
+        """End every connection and wait until their handlers have finished (and audited)."""
+        tasks = list(self._tasks)
+        for task in tasks:
             task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
 
     async def serve_forever(self) -> None:
         await asyncio.shield(self._accepting)

@@ -209,5 +209,5 @@ async def running_gateway(
     finally:
         server.close()
         await server.wait_closed()
-        server.close_clients()
+        await server.close_clients()
         gate.audit.close()

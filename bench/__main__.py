@@ -21,6 +21,7 @@ from types import FrameType
 
 from rich.console import Console
 
+from bench import authflood as bench_authflood
 from bench import forward as bench_forward
 from bench import gateway as bench_gateway
 from bench import images as bench_images
@@ -185,6 +186,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="bytes of the generated image of the images part (default 50M)",
     )
     parser.add_argument(
+        "--authflood",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also time kubectl exec through `podgate demo` quiet and during an anonymous "
+        "request flood (default: on, unless --skip-kubectl)",
+    )
+    parser.add_argument(
+        "--authflood-seconds",
+        type=float,
+        default=bench_authflood.FLOOD_SECONDS,
+        help=f"length of the anonymous flood (default {bench_authflood.FLOOD_SECONDS:g})",
+    )
+    parser.add_argument(
         "--json",
         type=Path,
         default=RESULTS_DIR / "latest.json",
@@ -254,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     startup = None
     with_images = args.images if args.images is not None else os.geteuid() == 0
     images = None
+    with_authflood = args.authflood if args.authflood is not None else not args.skip_kubectl
+    authflood = None
     try:
         if args.startup_runs > 0:
             startup = bench_startup.run_startup(args.startup_runs, progress)
@@ -274,6 +290,10 @@ def main(argv: list[str] | None = None) -> int:
                 images = bench_images.run_images(args.image_size, options.runs, progress)
             else:
                 err.print(f"[yellow]images part skipped: {why}[/yellow]")
+        if with_authflood:
+            authflood = bench_authflood.run_authflood(
+                args.kubectl, progress, args.authflood_seconds
+            )
     except ChildError as exc:
         err.print(f"[red]bench failed: {exc}[/red]")
         return 1
@@ -291,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
         data["startup"] = startup
     if images is not None:
         data["images"] = images
+    if authflood is not None:
+        data["authflood"] = authflood
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(data, indent=1) + "\n")
     md_path = args.markdown or args.json.with_suffix(".md")
@@ -301,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         + ("\n" + bench_forward.markdown(forward) if forward is not None else "")
         + ("\n" + bench_startup.markdown(startup) if startup is not None else "")
         + ("\n" + bench_images.markdown(images) if images is not None else "")
+        + ("\n" + bench_authflood.markdown(authflood) if authflood is not None else "")
     )
     print_report(data, console)
     if runtime is not None:
@@ -313,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         bench_startup.print_report(startup, console)
     if images is not None:
         bench_images.print_report(images, console)
+    if authflood is not None:
+        bench_authflood.print_report(authflood, console)
     console.print(f"results: {args.json} and {md_path}")
     failed = [s for s in data["summary"]["throughput"] + data["summary"]["conns"] if s["errors"]]
     if gateway is not None and bench_gateway.failed(gateway):
@@ -320,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     if forward is not None and bench_forward.failed(forward):
         return 1
     if images is not None and bench_images.failed(images):
+        return 1
+    if authflood is not None and bench_authflood.failed(authflood):
         return 1
     return 1 if failed or (runtime is not None and bench_runtime.failed(runtime)) else 0
 

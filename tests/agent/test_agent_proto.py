@@ -20,12 +20,14 @@ def test_port_forward_request_keeps_katas_field_numbers() -> None:
     assert (
         agent_pb2.PortForwardRequest.DESCRIPTOR.full_name == "podgate.agent.v1.PortForwardRequest"
     )
-    # protocol (request 4, response 1) is podgate's UDP extension; empty for TCP.
+    # protocol (request 4, response 1) is podgate's UDP extension; empty for TCP. nonce (5) is
+    # podgate's dial-back pairing, written first on the dial-back connection.
     assert _fields(agent_pb2.PortForwardRequest) == {
         "container_id": (1, t.TYPE_STRING),
         "port": (2, t.TYPE_UINT32),
         "vsock_port": (3, t.TYPE_UINT32),
         "protocol": (4, t.TYPE_STRING),
+        "nonce": (5, t.TYPE_BYTES),
     }
     assert _fields(agent_pb2.PortForwardResponse) == {"protocol": (1, t.TYPE_STRING)}
     assert _fields(agent_pb2.HealthRequest) == {}

@@ -4,6 +4,7 @@ synchronous failures, the dial-back, and isolation of a bad connection."""
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -89,6 +90,27 @@ async def test_forward_round_trip(rig: Rig) -> None:
     await rig.echo.until(lambda: rig.echo.finished == 1)
     async with asyncio.timeout(5):
         await rig.agent.idle()
+
+
+async def test_the_nonce_comes_first_on_the_dial_back(rig: Rig) -> None:
+    nonce = os.urandom(16)
+    request = PortForwardRequest(
+        container_id="c1", port=rig.echo.port, vsock_port=VSOCK_PORT, nonce=nonce
+    )
+    async with await rig.client() as client:
+        assert await client.call(SERVICE, "PortForward", request.SerializeToString()) == b""
+    stream = await rig.dial_backs.next()
+    got = b""
+    async with asyncio.timeout(10):
+        while len(got) < len(nonce):
+            chunk = await stream.receive(len(nonce) - len(got))
+            assert chunk
+            got += chunk
+    assert got == nonce
+    # After it, the connection is the forward: bytes echo unchanged.
+    result = await echo_transfer(stream, 1 * MiB)
+    assert result.received_sha256 == result.sent_sha256
+    await stream.aclose()
 
 
 async def test_ipv6_only_target(rig: Rig) -> None:

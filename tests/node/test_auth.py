@@ -183,15 +183,45 @@ def test_same_stamp_is_not_reread(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert reads == []
 
 
-def test_deleted_file_keeps_tokens(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_deleted_file_revokes_every_token(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     path = tmp_path / "tokens.csv"
     path.write_text("tok,alice,1\n")
     tokens = TokenFile.load(path)
-    caplog.set_level(logging.ERROR, logger="podgate.node.auth")
+    caplog.set_level(logging.WARNING, logger="podgate.node.watched")
     path.unlink()
+    assert tokens.lookup("tok") is None
+    assert tokens.lookup("tok") is None
+    loud = [r for r in caplog.records if r.levelno == logging.CRITICAL]
+    assert len(loud) == 1, "one loud line, not one per request"
+    assert "deleted" in loud[0].getMessage() and "no tokens" in loud[0].getMessage()
+    # Back again: its tokens count again.
+    path.write_text("tok,alice,1\n")
     assert tokens.lookup("tok") == UserInfo("alice", (), "token")
+
+
+def test_same_size_edit_within_the_timestamp_is_seen(tmp_path: Path) -> None:
+    path = tmp_path / "tokens.csv"
+    path.write_text("aaaa,alice,1\n")
+    tokens = TokenFile.load(path)
+    before = path.stat()
+    with open(path, "r+b") as f:  # in place: same inode, same size
+        f.write(b"bbbb")
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))  # and the same mtime
+    assert path.stat().st_ino == before.st_ino and path.stat().st_size == before.st_size
+    assert tokens.lookup("aaaa") is None
+    assert tokens.lookup("bbbb") == UserInfo("alice", (), "token")
+
+
+def test_a_half_written_version_never_takes_effect(tmp_path: Path) -> None:
+    path = tmp_path / "tokens.csv"
+    path.write_text("tok,alice,1\n")
+    tokens = TokenFile.load(path)
+    # A writer truncated the file and got one column out: invalid, so the old tokens stay.
+    path.write_text("tok2")
     assert tokens.lookup("tok") == UserInfo("alice", (), "token")
-    assert len([r for r in caplog.records if r.levelno == logging.ERROR]) == 1
+    assert tokens.lookup("tok2") is None
+    path.write_text("tok2,bob,2\n")
+    assert tokens.lookup("tok2") == UserInfo("bob", (), "token")
 
 
 # --- bearer headers ---------------------------------------------------------------------------

@@ -389,15 +389,31 @@ def test_reload_on_change(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> N
     assert not policy.authorize(BOB, "exec", "n", "p").allowed
 
 
-def test_deleted_file_keeps_rules(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_deleted_file_denies_everything(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     path = tmp_path / "policy.toml"
     path.write_text(_rule("alice"))
     policy = Policy.load(path)
-    caplog.set_level(logging.ERROR, logger="podgate.node.policy")
+    caplog.set_level(logging.WARNING, logger="podgate.node.watched")
     path.unlink()
+    assert not policy.authorize(ALICE, "exec", "n", "p").allowed
+    assert not policy.authorize(ALICE, "exec", "n", "p").allowed
+    loud = [r for r in caplog.records if r.levelno == logging.CRITICAL]
+    assert len(loud) == 1
+    assert "every request is denied" in loud[0].getMessage()
+    path.write_text(_rule("alice"))
     assert policy.authorize(ALICE, "exec", "n", "p").allowed
-    assert policy.authorize(ALICE, "exec", "n", "p").allowed
-    assert len([r for r in caplog.records if r.levelno == logging.ERROR]) == 1
+
+
+def test_same_size_edit_with_the_same_mtime_is_seen(tmp_path: Path) -> None:
+    path = tmp_path / "policy.toml"
+    path.write_text(_rule("alice"))
+    policy = Policy.load(path)
+    before = path.stat()
+    path.write_text(_rule("bobby"))
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert path.stat().st_ino == before.st_ino
+    assert not policy.authorize(ALICE, "exec", "n", "p").allowed
+    assert policy.authorize(UserInfo("bobby", (), "token"), "exec", "n", "p").allowed
 
 
 def test_replace_by_rename_is_seen(tmp_path: Path) -> None:

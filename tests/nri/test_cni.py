@@ -341,6 +341,31 @@ async def test_timeout_kills_the_plugin(tmp_path: Path, fake_dir: Path) -> None:
         os.kill(pid, 0)
 
 
+@pytest.mark.parametrize("name", ["../../bin/sh", "/bin/sh", "sub/fake-a", "..", "."])
+async def test_a_plugin_type_that_is_a_path_is_refused(
+    tmp_path: Path, fake_dir: Path, name: str
+) -> None:
+    log = tmp_path / "log"
+    conflist = fake_conflist(log)
+    conflist["plugins"][0]["type"] = name
+    # Refused when the config is read, with libcni's reason ...
+    with pytest.raises(CniConfigError, match=r"invalid plugin name .*not a path"):
+        Cni(conflist, state_dir=tmp_path / "s", plugin_dirs=[str(fake_dir)], loopback=False)
+    # ... and again when a config built in code reaches the plugin lookup: nothing runs.
+    (fake_dir / "sub").mkdir(exist_ok=True)
+    (fake_dir / "sub" / "fake-a").symlink_to(fake_dir / "fake-a")
+    good = Cni(
+        fake_conflist(log), state_dir=tmp_path / "s", plugin_dirs=[str(fake_dir)], loopback=False
+    )
+    bad_plugins = ({**good.config.plugins[0], "type": name}, *good.config.plugins[1:])
+    good.config = CniConfig(good.config.name, good.config.cni_version, bad_plugins)
+    with pytest.raises(CniError, match="not a path") as info:
+        await good.add(CONTAINER, "/run/netns/x")
+    assert info.value.plugin == name
+    # Nothing was added; the failed ADD is rolled back by DEL on the plugins that exist.
+    assert [(c["type"], c["command"]) for c in calls(log)] == [("fake-b", "DEL")]
+
+
 async def test_missing_plugin_and_garbage_output(tmp_path: Path, fake_dir: Path) -> None:
     log = tmp_path / "log"
     conflist = fake_conflist(log)
@@ -413,7 +438,7 @@ def test_config_list_parsing() -> None:
         ({"name": "n", "plugins": [{"type": "bridge"}]}, "cniVersion is missing"),
         ({"name": "n", "cniVersion": "1.0.0", "plugins": []}, "non-empty list"),
         ({"name": "n", "cniVersion": "1.0.0", "plugins": [{}]}, "plugin 0 has no type"),
-        ({"name": "n", "cniVersion": "1.0.0", "plugins": [{"type": "../x"}]}, "not a file name"),
+        ({"name": "n", "cniVersion": "1.0.0", "plugins": [{"type": "../x"}]}, "not a path"),
         ({"name": "n", "cniVersion": "0.2.0", "plugins": [{"type": "b"}]}, "use 0.3.0 or later"),
     ]:
         with pytest.raises(CniConfigError, match=message):

@@ -197,6 +197,13 @@ class Agent:
         try:
             async with asyncio.timeout(self.dial_back_timeout):
                 back = await vsock.connect(self.host, request.vsock_port)
+                if request.nonce:
+                    # First on the wire: the host pairs the connection by it.
+                    try:
+                        await back.send(request.nonce)
+                    except BaseException:
+                        await back.aclose()
+                        raise
         except (TimeoutError, StreamError, OSError) as exc:
             await target.aclose()
             reason = str(exc) or f"no connection within {self.dial_back_timeout:g} s"

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19podgate/agent/agent.proto\x12\x10podgate.agent.v1\"^\n\x12PortForwardRequest\x12\x14\n\x0c\x63ontainer_id\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\r\x12\x12\n\nvsock_port\x18\x03 \x01(\r\x12\x10\n\x08protocol\x18\x04 \x01(\t\"\'\n\x13PortForwardResponse\x12\x10\n\x08protocol\x18\x01 \x01(\t\"\x0f\n\rHealthRequest\" \n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t2\xb0\x01\n\x05\x41gent\x12Z\n\x0bPortForward\x12$.podgate.agent.v1.PortForwardRequest\x1a%.podgate.agent.v1.PortForwardResponse\x12K\n\x06Health\x12\x1f.podgate.agent.v1.HealthRequest\x1a .podgate.agent.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19podgate/agent/agent.proto\x12\x10podgate.agent.v1\"m\n\x12PortForwardRequest\x12\x14\n\x0c\x63ontainer_id\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\r\x12\x12\n\nvsock_port\x18\x03 \x01(\r\x12\x10\n\x08protocol\x18\x04 \x01(\t\x12\r\n\x05nonce\x18\x05 \x01(\x0c\"\'\n\x13PortForwardResponse\x12\x10\n\x08protocol\x18\x01 \x01(\t\"\x0f\n\rHealthRequest\" \n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t2\xb0\x01\n\x05\x41gent\x12Z\n\x0bPortForward\x12$.podgate.agent.v1.PortForwardRequest\x1a%.podgate.agent.v1.PortForwardResponse\x12K\n\x06Health\x12\x1f.podgate.agent.v1.HealthRequest\x1a .podgate.agent.v1.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,13 +32,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'podgate.agent.agent_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PORTFORWARDREQUEST']._serialized_start=47
-  _globals['_PORTFORWARDREQUEST']._serialized_end=141
-  _globals['_PORTFORWARDRESPONSE']._serialized_start=143
-  _globals['_PORTFORWARDRESPONSE']._serialized_end=182
-  _globals['_HEALTHREQUEST']._serialized_start=184
-  _globals['_HEALTHREQUEST']._serialized_end=199
-  _globals['_HEALTHRESPONSE']._serialized_start=201
-  _globals['_HEALTHRESPONSE']._serialized_end=233
-  _globals['_AGENT']._serialized_start=236
-  _globals['_AGENT']._serialized_end=412
+  _globals['_PORTFORWARDREQUEST']._serialized_end=156
+  _globals['_PORTFORWARDRESPONSE']._serialized_start=158
+  _globals['_PORTFORWARDRESPONSE']._serialized_end=197
+  _globals['_HEALTHREQUEST']._serialized_start=199
+  _globals['_HEALTHREQUEST']._serialized_end=214
+  _globals['_HEALTHRESPONSE']._serialized_start=216
+  _globals['_HEALTHRESPONSE']._serialized_end=248
+  _globals['_AGENT']._serialized_start=251
+  _globals['_AGENT']._serialized_end=427
 # @@protoc_insertion_point(module_scope)

@@ -27,11 +27,16 @@ class PortForwardRequest(_message.Message):
     PORT_FIELD_NUMBER: _builtins.int
     VSOCK_PORT_FIELD_NUMBER: _builtins.int
     PROTOCOL_FIELD_NUMBER: _builtins.int
+    NONCE_FIELD_NUMBER: _builtins.int
     container_id: _builtins.str
     port: _builtins.int
     vsock_port: _builtins.int
     protocol: _builtins.str
     """"" or "tcp": a TCP connection; "udp": a UDP flow."""
+    nonce: _builtins.bytes
+    """podgate's: random bytes the agent writes first on the dial-back connection, so the host
+    pairs it with this request and no other guest process can take the user's connection.
+    """
     def __init__(
         self,
         *,
@@ -39,10 +44,11 @@ class PortForwardRequest(_message.Message):
         port: _builtins.int = ...,
         vsock_port: _builtins.int = ...,
         protocol: _builtins.str = ...,
+        nonce: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["container_id", b"container_id", "port", b"port", "protocol", b"protocol", "vsock_port", b"vsock_port"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["container_id", b"container_id", "nonce", b"nonce", "port", b"port", "protocol", b"protocol", "vsock_port", b"vsock_port"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

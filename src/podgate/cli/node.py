@@ -11,8 +11,10 @@ import click
 from podgate.aio.loop import run, wait_for_signal
 from podgate.cli.errors import listen_failure
 from podgate.cli.logs import setup_logging
+from podgate.node.audit import DEFAULT_AUDIT_KEEP, DEFAULT_AUDIT_MAX_BYTES
 from podgate.node.cri_client import CriClient, CriPodSource
 from podgate.node.gateway import GatewayConfig, Limits
+from podgate.node.listener import DEFAULT_AUTH_TIMEOUT_SECONDS, DEFAULT_MAX_UNAUTHENTICATED
 from podgate.node.server import InsecureListenError, running_gateway
 from podgate.node.upstream import CriTarget
 from podgate.runtime.daemon import DEFAULT_STATE_DIR
@@ -68,7 +70,57 @@ def gateway_options(f: click.decorators.FC) -> click.decorators.FC:
             click.option(
                 "--plain-http",
                 is_flag=True,
-                help="Serve plain HTTP without authentication (loopback only).",
+                help="Serve plain HTTP on loopback, still requiring a bearer token (the "
+                "Python client sends it over HTTP; kubectl does not, so use HTTPS for kubectl).",
+            ),
+            click.option(
+                "--tls-cert",
+                default="",
+                help="Server certificate (PEM, chain allowed) instead of the generated one.",
+            ),
+            click.option("--tls-key", default="", help="Key of --tls-cert (PEM)."),
+            click.option(
+                "--client-ca",
+                default="",
+                help="CA bundle client certificates must chain to (with --tls-cert: the only "
+                "one; without: trusted besides the generated CA).",
+            ),
+            click.option(
+                "--san",
+                multiple=True,
+                help="Extra DNS name or IP address for the generated server certificate, and "
+                "a name requests may carry in Host (repeatable).",
+            ),
+            click.option(
+                "--allowed-origin",
+                multiple=True,
+                help="A browser Origin (scheme://host[:port]) allowed to send requests; "
+                "by default any request carrying Origin is refused (repeatable).",
+            ),
+            click.option(
+                "--max-unauthenticated",
+                default=DEFAULT_MAX_UNAUTHENTICATED,
+                show_default=True,
+                help="Connections at once that have not authenticated yet; more are reset.",
+            ),
+            click.option(
+                "--auth-timeout",
+                default=DEFAULT_AUTH_TIMEOUT_SECONDS,
+                show_default=True,
+                help="Seconds a connection has for its TLS handshake and first "
+                "authenticated request.",
+            ),
+            click.option(
+                "--audit-log-max-bytes",
+                default=DEFAULT_AUDIT_MAX_BYTES,
+                show_default=True,
+                help="Rotate the audit log past this size.",
+            ),
+            click.option(
+                "--audit-log-keep",
+                default=DEFAULT_AUDIT_KEEP,
+                show_default=True,
+                help="Rotated audit logs kept.",
             ),
         ]
     ):
@@ -91,6 +143,15 @@ def make_config(
     max_streams_per_pod: int,
     stream_idle_timeout: float,
     plain_http: bool,
+    tls_cert: str = "",
+    tls_key: str = "",
+    client_ca: str = "",
+    san: tuple[str, ...] = (),
+    allowed_origin: tuple[str, ...] = (),
+    max_unauthenticated: int = DEFAULT_MAX_UNAUTHENTICATED,
+    auth_timeout: float = DEFAULT_AUTH_TIMEOUT_SECONDS,
+    audit_log_max_bytes: int = DEFAULT_AUDIT_MAX_BYTES,
+    audit_log_keep: int = DEFAULT_AUDIT_KEEP,
 ) -> GatewayConfig:
     return GatewayConfig(
         state_dir=state_dir,
@@ -104,6 +165,15 @@ def make_config(
         limits=Limits(max_streams_per_user, max_streams_per_pod, max_bytes_per_sec),
         plain_http=plain_http,
         idle_timeout=stream_idle_timeout,
+        tls_cert=tls_cert,
+        tls_key=tls_key,
+        client_ca=client_ca,
+        sans=tuple(san),
+        allowed_origins=tuple(allowed_origin),
+        max_unauthenticated=max_unauthenticated,
+        auth_timeout=auth_timeout,
+        audit_max_bytes=audit_log_max_bytes,
+        audit_keep=audit_log_keep,
     )
 
 
@@ -154,7 +224,7 @@ def node(
     config = make_config(state_dir, cri_socket, **kw)
     try:
         run(_node(config, via_exec=portforward_via == "exec"))
-    except InsecureListenError as exc:
+    except (InsecureListenError, ValueError) as exc:
         raise click.UsageError(str(exc)) from exc
     except OSError as exc:
         failure = listen_failure(exc, config.host, config.port)
@@ -172,8 +242,7 @@ async def _node(config: GatewayConfig, *, via_exec: bool = False) -> None:
         async with running_gateway(config, source) as gateway:
             print(
                 f"podgate node ready api={gateway.url} runtime={version.runtime_name} "
-                f"{version.runtime_version} kubeconfig="
-                f"{gateway.credentials.kubeconfig if gateway.credentials else '-'}",
+                f"{version.runtime_version} kubeconfig={gateway.credentials.kubeconfig}",
                 flush=True,
             )
             sig = await wait_for_signal()

@@ -12,7 +12,6 @@ import click
 
 import podgate
 from podgate.aio.loop import run, wait_for_signal
-from podgate.cli.demo import write_kubeconfig
 from podgate.cli.errors import listen_failure
 from podgate.cli.logs import setup_logging
 from podgate.cli.nri import nri_config, nri_options
@@ -45,7 +44,8 @@ def default_examples() -> str:
 @click.option(
     "--plain-http",
     is_flag=True,
-    help="Serve the API over plain HTTP without authentication (loopback only).",
+    help="Serve the API over plain HTTP on loopback, still requiring the bearer token of "
+    "STATE_DIR/node/kubeconfig-token (the Python client sends it over HTTP; kubectl does not).",
 )
 @click.option(
     "--examples",
@@ -131,11 +131,10 @@ async def _up(
                         log.info("sample images: %s", names)
                 for sample in samples:
                     pod_ids.append(await ensure_example(running.runtime, sample))
-                if gateway.credentials is not None:
-                    kubeconfig = str(gateway.credentials.kubeconfig)
-                else:
-                    kubeconfig = str(Path(node_dir) / "kubeconfig")
-                    write_kubeconfig(kubeconfig, "127.0.0.1", gateway.port)
+                credentials = gateway.credentials
+                kubeconfig = str(
+                    credentials.kubeconfig_token if plain_http else credentials.kubeconfig
+                )
                 print(
                     f"podgate ready api={gateway.url} kubeconfig={kubeconfig} "
                     f"cri=unix://{running.cri_socket}",

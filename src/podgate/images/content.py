@@ -20,7 +20,7 @@ import re
 from pathlib import Path
 from typing import Final
 
-from podgate.linux.proc import fsync_dir
+from podgate.files import rename_durably
 
 __all__ = [
     "BlobWriter",
@@ -125,9 +125,7 @@ class BlobWriter:
         self._closed = True
         target = self._store.blob_path(self.digest)
         os.chmod(self.path, 0o444)
-        os.replace(self.path, target)
-        fsync_dir(target.parent)
-        fsync_dir(self._store.ingest_dir)
+        rename_durably(self.path, target)
         return target
 
     def abort(self, discard: bool = False) -> None:

@@ -27,8 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Final
 
+from podgate.files import fsync_directory, rename_durably
 from podgate.images.unpack import UnpackResult, apply_layer
-from podgate.linux.proc import atomic_write_json, fsync_dir
+from podgate.linux.proc import atomic_write_json
 
 __all__ = ["Snapshot", "SnapshotStore", "chain_ids"]
 
@@ -158,13 +159,12 @@ class SnapshotStore:
             expected = chain_ids([parent, result.diff_id])[-1] if parent else result.diff_id
             if expected != chain_id:
                 raise ValueError(f"layer chain id is {expected}, expected {chain_id}")
-            fsync_dir(tmp)
+            fsync_directory(tmp)
             try:
-                os.rename(tmp, self.dir(chain_id))
+                rename_durably(tmp, self.dir(chain_id), replace=False)
             except OSError:
                 if not self.has(chain_id):  # lost a race with an identical unpack: fine
                     raise
-            fsync_dir(self.root)
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -202,8 +202,7 @@ class SnapshotStore:
         # Rename first so a crash mid-delete leaves a .tmp- dir (cleaned on start), not a
         # half-deleted snapshot that looks whole.
         trash = self.root / f"{TMP_PREFIX}del-{_hex(chain_id)[:12]}-{uuid.uuid4().hex[:8]}"
-        os.rename(d, trash)
-        fsync_dir(self.root)
+        rename_durably(d, trash, replace=False)
         shutil.rmtree(trash, ignore_errors=True)
 
     def gc(self, in_use: Iterable[str]) -> list[str]:

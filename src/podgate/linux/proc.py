@@ -3,22 +3,19 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import signal
 import subprocess
-import tempfile
 import time
 from typing import Any, Final
 
+from podgate.files import atomic_write
 from podgate.model import ProcessRef
 
 __all__ = [
     "SpawnError",
-    "atomic_write_bytes",
     "atomic_write_json",
-    "fsync_dir",
     "is_alive",
     "process_ref",
     "read_json",
@@ -115,34 +112,8 @@ async def _poll_gone(ref: ProcessRef, timeout: float) -> bool:
 
 def atomic_write_json(path: str, obj: Any) -> None:
     """Replace `path` with `obj` as JSON so readers see the old or the new file, never half."""
-    data = json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
-    atomic_write_bytes(path, data)
-
-
-def atomic_write_bytes(path: str, data: bytes) -> None:
-    """Replace `path` with `data`: temp file, fsync, rename, directory fsync."""
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    fsync_dir(directory)
-
-
-def fsync_dir(directory: str | os.PathLike[str]) -> None:
-    """Make a rename or unlink inside `directory` durable."""
-    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    data = json.dumps(obj, separators=(",", ":"), sort_keys=True).encode("utf-8")
+    atomic_write(path, data)
 
 
 def read_json(path: str) -> Any:

@@ -11,23 +11,22 @@ known to policy and audit.
 from __future__ import annotations
 
 import collections
-import json
 import logging
-import os
 import ssl
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from podgate.aio.streams import SocketStream
+from podgate.node.audit import DEFAULT_AUDIT_KEEP, DEFAULT_AUDIT_MAX_BYTES, AuditLog
 from podgate.node.auth import Authenticator, TokenFile, UserInfo
 from podgate.node.kubeapi import PodView
+from podgate.node.listener import DEFAULT_AUTH_TIMEOUT_SECONDS, DEFAULT_MAX_UNAUTHENTICATED
 from podgate.node.policy import Policy
 from podgate.proto.upgrade import UpgradeRequest
 from podgate.streaming.hooks import ForwardRecord, SessionHooks
@@ -52,38 +51,6 @@ class Caller:
 
     user: UserInfo
     address: str
-
-
-class AuditLog:
-    """JSON lines, one per decision and per finished stream; flushed at once."""
-
-    def __init__(self, path: str | None) -> None:
-        self.path = path
-        self._file: TextIO | None = None
-        self._lock = threading.Lock()
-        if path:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-            self._file = os.fdopen(fd, "a", encoding="utf-8")
-
-    def write(self, **entry: Any) -> None:
-        entry = {"time": _now(), **entry}
-        line = json.dumps(entry, separators=(",", ":"), default=str)
-        if self._file is None or self._file.closed:
-            log.info("audit %s", line)
-            return
-        with self._lock:
-            self._file.write(line + "\n")
-            self._file.flush()
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-
-
-def _now() -> str:
-    now = time.time()
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1e6):06d}Z"
 
 
 class Metrics:
@@ -146,7 +113,8 @@ class Gate:
         address = _address(conn)
         user = self.authenticator.authenticate(request.headers, peercert)
         if user is None:
-            self.audit.write(
+            # Anyone can send these: written within a budget per source, the rest counted.
+            self.audit.denied(
                 user=None,
                 address=address,
                 verb=request.method,
@@ -156,6 +124,18 @@ class Gate:
             )
             return None
         return Caller(user, address)
+
+    def refused(self, address: str, verb: str, path: str, status: int, reason: str) -> None:
+        self.metrics.denials.labels("unauthenticated").inc()
+        self.audit.denied(
+            user=None,
+            address=address,
+            verb=verb,
+            path=path,
+            outcome="denied",
+            reason=reason,
+            **({"status": status} if status else {}),
+        )
 
     def check(
         self, who: object, verb: str, namespace: str, pod: str, request: UpgradeRequest
@@ -357,12 +337,25 @@ class GatewayConfig:
     audit_log: str = ""
     metrics_port: int = 0  # 0 = no metrics endpoint
     limits: Limits = field(default_factory=Limits)
-    plain_http: bool = False  # loopback only; kubectl then sends no credentials
+    plain_http: bool = False  # loopback only; a token is still required
     idle_timeout: float = 4 * 3600.0  # seconds without traffic before a stream is closed
+    audit_max_bytes: int = DEFAULT_AUDIT_MAX_BYTES
+    audit_keep: int = DEFAULT_AUDIT_KEEP
+    max_unauthenticated: int = DEFAULT_MAX_UNAUTHENTICATED
+    auth_timeout: float = DEFAULT_AUTH_TIMEOUT_SECONDS
+    allowed_origins: tuple[str, ...] = ()  # browser Origins allowed; kubectl sends none
+    sans: tuple[str, ...] = ()  # extra names (DNS or IP) for the certificate and Host checks
+    tls_cert: str = ""  # operator's server certificate and key (else generated)
+    tls_key: str = ""
+    client_ca: str = ""  # operator's CA for client certificates (else the generated CA)
 
 
 def load_guard(config: GatewayConfig, metrics: Metrics | None = None) -> Gate:
     tokens = TokenFile.load(config.token_file) if config.token_file else None
     policy = Policy.load(config.policy_file) if config.policy_file else Policy.allow_all()
-    audit = AuditLog(config.audit_log or str(Path(config.state_dir) / "audit.log"))
+    audit = AuditLog(
+        config.audit_log or str(Path(config.state_dir) / "audit.log"),
+        max_bytes=config.audit_max_bytes,
+        keep=config.audit_keep,
+    )
     return Gate(Authenticator(tokens), policy, audit, metrics, config.limits)

@@ -19,8 +19,10 @@ from urllib.parse import unquote
 
 from podgate.aio.errors import StreamError
 from podgate.aio.http import linger_close, next_request
-from podgate.aio.streams import SocketStream, start_server
+from podgate.aio.streams import SocketStream
+from podgate.node.listener import Listener, PreAuth, Ticket, listen
 from podgate.node.logs import LogSource, read_log
+from podgate.node.origin import Refusal, RequestOrigins
 from podgate.proto import k8s
 from podgate.proto.errors import RemoteProtocolError
 from podgate.proto.upgrade import HandshakeError, ServerHandshake, StreamKind, UpgradeRequest
@@ -330,6 +332,10 @@ class Guard(Protocol):
         """Start a stream (limits, audit), or the reason it is refused (429)."""
         ...
 
+    def refused(self, address: str, verb: str, path: str, status: int, reason: str) -> None:
+        """A request or connection turned away before authentication (audited, aggregated)."""
+        ...
+
 
 # The verb each pod subresource is authorised as, whatever the HTTP method: a WebSocket GET
 # to /exec is an exec, never a "get".
@@ -350,10 +356,16 @@ class KubeApi:
         *,
         guard: Guard | None = None,
         idle_timeout: float | None = DEFAULT_IDLE_TIMEOUT_SECONDS,
+        origins: RequestOrigins | None = None,
+        preauth: PreAuth | None = None,
     ) -> None:
         self.source = source
         self.guard = guard
         self.idle_timeout = idle_timeout
+        # Without explicit names (an in-process API for tests) any Host goes; every server the
+        # CLI starts passes the names it serves.
+        self.origins = origins or RequestOrigins(check_host=False)
+        self.preauth = preauth or PreAuth()
 
     async def _pods(self) -> list[PodView]:
         try:
@@ -370,14 +382,35 @@ class KubeApi:
 
     async def serve(
         self, host: str = "127.0.0.1", port: int = 0, *, ssl_context: ssl.SSLContext | None = None
-    ) -> asyncio.Server:
-        return await start_server(self.handle, host, port, ssl_context=ssl_context)
+    ) -> Listener:
+        """Listen; `host` joins the names a request's Host may carry."""
+        self.origins.add_hosts([host])
+        return await listen(
+            self.handle,
+            host,
+            port,
+            ssl_context=ssl_context,
+            preauth=self.preauth,
+            on_refused=self._refused_connection,
+        )
 
-    async def handle(self, conn: SocketStream) -> None:
+    def _refused_connection(self, peer: object, reason: str) -> None:
+        if self.guard is not None:
+            self.guard.refused(_peer_address(peer), "CONNECT", "", 0, reason)
+
+    async def handle(self, conn: SocketStream, ticket: Ticket | None = None) -> None:
         handshake = ServerHandshake()
         while True:
             try:
-                request = await next_request(conn, handshake)
+                if ticket is not None and not ticket.released:
+                    # Not authenticated yet: the whole connection has until its deadline.
+                    async with asyncio.timeout_at(ticket.deadline):
+                        request = await next_request(conn, handshake)
+                else:
+                    request = await next_request(conn, handshake)
+            except TimeoutError:
+                self.preauth.timed_out += 1
+                return
             except HandshakeError as exc:
                 await self._send_status(conn, handshake, exc.status, "BadRequest", exc.message)
                 await linger_close(conn)
@@ -387,7 +420,7 @@ class KubeApi:
             if request is None:
                 return
             try:
-                if await self._route(conn, handshake, request):
+                if await self._route(conn, handshake, request, ticket):
                     return  # the connection was upgraded and is finished
             except SourceUnavailable as exc:
                 await self._send_status(
@@ -399,14 +432,26 @@ class KubeApi:
                 )
 
     async def _route(
-        self, conn: SocketStream, handshake: ServerHandshake, request: UpgradeRequest
+        self,
+        conn: SocketStream,
+        handshake: ServerHandshake,
+        request: UpgradeRequest,
+        ticket: Ticket | None = None,
     ) -> bool:
+        refusal = self.origins.check(request)
+        if refusal is not None:
+            return await self._refuse(conn, handshake, request, refusal)
         who: object = None
         if self.guard is not None:
             who = self.guard.identify(conn, request)
             if who is None:
                 await self._send_status(conn, handshake, 401, "Unauthorized", "Unauthorized")
+                # Pipelined requests are parsed without waiting: give every other connection
+                # (an authenticated user's among them) its turn before the next anonymous one.
+                await asyncio.sleep(0)
                 return handshake.must_close
+        if ticket is not None:
+            ticket.release()
         path = request.path
         if self.guard is not None:
             denied = self._authorize(who, request, path)
@@ -465,6 +510,31 @@ class KubeApi:
                 conn, handshake, 404, "NotFound", "the server could not find the requested resource"
             )
         return handshake.must_close
+
+    async def _refuse(
+        self,
+        conn: SocketStream,
+        handshake: ServerHandshake,
+        request: UpgradeRequest,
+        refusal: Refusal,
+    ) -> bool:
+        """Answer a cross-origin or misdirected request and close: nothing else is read."""
+        if self.guard is not None:
+            self.guard.refused(
+                _peer_address(conn.peername),
+                request.method,
+                request.path,
+                refusal.status,
+                refusal.message,
+            )
+        await conn.send(
+            handshake.respond(
+                refusal.status,
+                [(b"Content-Type", b"application/json"), (b"Connection", b"close")],
+                refusal.body(),
+            )
+        )
+        return True
 
     def _authorize(self, who: object, request: UpgradeRequest, path: str) -> str | None:
         assert self.guard is not None
@@ -631,3 +701,10 @@ class KubeApi:
     ) -> None:
         body = k8s.http_status_body(code, reason, message, details)
         await conn.send(handshake.respond(code, [(b"Content-Type", b"application/json")], body))
+
+
+def _peer_address(peer: object) -> str:
+    if isinstance(peer, tuple) and len(peer) >= 2:
+        host = str(peer[0])
+        return f"[{host}]:{peer[1]}" if ":" in host else f"{host}:{peer[1]}"
+    return str(peer or "")

@@ -9,13 +9,11 @@ replaces what is missing, expired, or no longer fits the request.
 from __future__ import annotations
 
 import base64
-import contextlib
 import datetime
 import ipaddress
 import os
 import re
 import ssl
-import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +24,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from podgate.files import atomic_write
 
 CA_VALIDITY_DAYS = 3650  # days; the CA is baked into every kubeconfig, so it should outlive them
 LEAF_VALIDITY_DAYS = 365  # days; server and client certificates, renewed by `ensure_pki`
@@ -105,6 +105,55 @@ class Pki:
         _write_key(key_path, key)
         _write_cert(crt_path, cert)
         return crt_path, key_path
+
+
+@dataclass(frozen=True, slots=True)
+class OperatorTls:
+    """TLS material an operator brings instead of the generated PKI."""
+
+    cert: Path  # server certificate (chain), PEM
+    key: Path
+    client_ca: Path | None = None  # CA bundle that client certificates must chain to
+
+    def server_ssl_context(self) -> ssl.SSLContext:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.load_cert_chain(self.cert, self.key)
+        ctx.set_alpn_protocols(ALPN_PROTOCOLS)
+        if self.client_ca is not None:
+            ctx.load_verify_locations(cafile=self.client_ca)
+            ctx.verify_mode = ssl.CERT_OPTIONAL
+        return ctx
+
+    def server_names(self) -> list[str]:
+        """The DNS names and IP addresses the server certificate is valid for."""
+        return certificate_names(self.cert)
+
+    def issuer_bundle(self) -> Path | None:
+        """A CA file that verifies the server certificate (for kubeconfigs), if we have one:
+        the client CA when it issued the server certificate."""
+        if self.client_ca is None:
+            return None
+        leaf = x509.load_pem_x509_certificate(self.cert.read_bytes())
+        for ca in x509.load_pem_x509_certificates(self.client_ca.read_bytes()):
+            try:
+                leaf.verify_directly_issued_by(ca)
+            except (ValueError, TypeError, InvalidSignature):
+                continue
+            return self.client_ca
+        return None
+
+
+def certificate_names(cert_path: Path | str) -> list[str]:
+    """The subjectAltName entries (DNS and IP) of the first certificate in a PEM file."""
+    cert = x509.load_pem_x509_certificate(Path(cert_path).read_bytes())
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return []
+    return [*san.get_values_for_type(x509.DNSName)] + [
+        str(ip) for ip in san.get_values_for_type(x509.IPAddress)
+    ]
 
 
 def ensure_pki(
@@ -419,20 +468,7 @@ def _write_cert(path: Path, cert: x509.Certificate) -> None:
 
 
 def _atomic_write(path: Path, data: bytes, mode: int) -> None:
-    """Write via a temporary file in the same directory and rename, so readers never see a
-    partial file and a crash leaves the old one in place."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), mode)  # before any secret byte is written
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    atomic_write(path, data, mode=mode)
 
 
 def _b64_file(path: Path | str) -> str:

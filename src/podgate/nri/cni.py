@@ -120,6 +120,19 @@ class CniConfigError(ValueError):
     """The network config list itself is unusable (before any plugin runs)."""
 
 
+def plugin_name_error(plugin_type: str) -> str | None:
+    """Why `plugin_type` cannot name a plugin binary, or None. As libcni's FindInPath: a type
+    is a file name looked up in the plugin directories, never a path (`../x` would run any
+    binary on the host)."""
+    if not plugin_type:
+        return "empty plugin type"
+    if "/" in plugin_type or os.sep in plugin_type or plugin_type in (".", ".."):
+        return f"invalid plugin name {plugin_type!r}: a plugin type is a file name, not a path"
+    if "\0" in plugin_type:
+        return f"invalid plugin name {plugin_type!r}: contains NUL"
+    return None
+
+
 def _version_tuple(version: str) -> tuple[int, ...]:
     try:
         return tuple(int(part) for part in version.split("."))
@@ -166,8 +179,8 @@ class CniConfig:
         for index, plugin in enumerate(plugins):
             if not isinstance(plugin, dict) or not isinstance(plugin.get("type"), str):
                 raise CniConfigError(f"network {name!r}: plugin {index} has no type")
-            if not plugin["type"] or "/" in plugin["type"]:
-                raise CniConfigError(f"network {name!r}: plugin {index} type is not a file name")
+            if (why := plugin_name_error(plugin["type"])) is not None:
+                raise CniConfigError(f"network {name!r}: plugin {index}: {why}")
         return cls(
             name=name,
             cni_version=version,
@@ -654,6 +667,8 @@ class Cni:
     # -- one plugin -------------------------------------------------------------------------
 
     def _find(self, plugin_type: str) -> str:
+        if (why := plugin_name_error(plugin_type)) is not None:
+            raise CniError(NO_PLUGIN_CODE, why, plugin=plugin_type)
         for directory in self.plugin_dirs:
             path = os.path.join(directory, plugin_type)
             if os.path.isfile(path) and os.access(path, os.X_OK):

@@ -16,11 +16,12 @@ import contextlib
 import fcntl
 import ipaddress
 import os
-import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
+
+from podgate.files import atomic_write
 
 __all__ = [
     "IpRange",
@@ -261,24 +262,7 @@ class Ipam:
 def _write_whole(path: Path, text: str, *, replace: bool) -> None:
     """Write `text` to `path` so it never exists half-written; without `replace` an existing
     file is kept and FileExistsError raised."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        if replace:
-            os.replace(tmp, path)
-        else:
-            os.link(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    atomic_write(path, text.encode("utf-8"), replace=replace)
 
 
 def _check_pod_id(pod_id: str) -> None:

@@ -59,6 +59,7 @@ class StatsResponse(_message.Message):
     AGENT_STARTS_FIELD_NUMBER: _builtins.int
     AGENT_PID_FIELD_NUMBER: _builtins.int
     VSOCK_PORTS_ALLOCATED_FIELD_NUMBER: _builtins.int
+    STRAY_DIAL_BACKS_FIELD_NUMBER: _builtins.int
     agent_port_forwards: _builtins.int
     """PortForward calls made to the agent since the shim started."""
     listeners_opened: _builtins.int
@@ -71,6 +72,8 @@ class StatsResponse(_message.Message):
     agent_pid: _builtins.int
     vsock_ports_allocated: _builtins.int
     """Distinct dial-back ports handed out so far (freed ports are reused, lowest first)."""
+    stray_dial_backs: _builtins.int
+    """Connections to a dial-back port closed unpaired: no nonce, or one no request is waiting for."""
     def __init__(
         self,
         *,
@@ -81,10 +84,11 @@ class StatsResponse(_message.Message):
         agent_starts: _builtins.int = ...,
         agent_pid: _builtins.int = ...,
         vsock_ports_allocated: _builtins.int = ...,
+        stray_dial_backs: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_pid", b"agent_pid", "agent_port_forwards", b"agent_port_forwards", "agent_starts", b"agent_starts", "connections_active", b"connections_active", "listeners_open", b"listeners_open", "listeners_opened", b"listeners_opened", "vsock_ports_allocated", b"vsock_ports_allocated"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_pid", b"agent_pid", "agent_port_forwards", b"agent_port_forwards", "agent_starts", b"agent_starts", "connections_active", b"connections_active", "listeners_open", b"listeners_open", "listeners_opened", b"listeners_opened", "stray_dial_backs", b"stray_dial_backs", "vsock_ports_allocated", b"vsock_ports_allocated"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

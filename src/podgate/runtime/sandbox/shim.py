@@ -34,6 +34,7 @@ import ctypes
 import heapq
 import logging
 import os
+import secrets
 import signal
 import sys
 from collections.abc import Coroutine, Sequence
@@ -84,6 +85,12 @@ AGENT_VSOCK_PORT: Final = 1024
 FIRST_DIAL_BACK_PORT: Final = 10000
 # containerd PR #4814 waits 10 s for the one dial-back connection; the agent gets as long.
 DIAL_BACK_TIMEOUT_SECONDS: Final = 10.0
+# Random bytes per PortForward the agent writes first on its dial-back: 128 bits cannot be
+# guessed by another guest process racing for the port.
+DIAL_BACK_NONCE_BYTES: Final = 16
+# How long a connection to a dial-back port may take to present its nonce; the agent writes
+# it at once after connecting, seconds.
+DIAL_BACK_NONCE_TIMEOUT_SECONDS: Final = 5.0
 AGENT_CALL_TIMEOUT_SECONDS: Final = 10.0
 # A fresh agent is an interpreter start inside the guest plus a listen, seconds.
 AGENT_BOOT_TIMEOUT_SECONDS: Final = 30.0
@@ -192,12 +199,15 @@ class _Arrival:
 
 @dataclass(slots=True)
 class _Pool:
-    """The dial-back listener shared by every connection to one (container, port, protocol)."""
+    """The dial-back listener shared by every connection to one (container, port, protocol).
+
+    Each PortForward waits under its own nonce; a connection is paired only with the request
+    whose nonce it presents first."""
 
     key: tuple[str, int, str]
     vsock_port: int
     listener: vsock.Listener | None = None
-    arrivals: asyncio.Queue[_Arrival] = field(default_factory=asyncio.Queue)
+    waiting: dict[bytes, asyncio.Future[_Arrival]] = field(default_factory=dict)
     refs: int = 0
 
 
@@ -431,8 +441,11 @@ class SandboxShim:
                 pool = _Pool(key, port)
 
                 async def arrived(stream: SocketStream, pool: _Pool = pool) -> None:
+                    waiter = await self._claim(stream, pool)
+                    if waiter is None:
+                        return  # its listener closes it
                     arrival = _Arrival(stream)
-                    pool.arrivals.put_nowait(arrival)
+                    waiter.set_result(arrival)
                     await arrival.done.wait()
 
                 try:
@@ -448,6 +461,35 @@ class SandboxShim:
             pool.refs += 1
             return pool
 
+    async def _claim(self, stream: SocketStream, pool: _Pool) -> asyncio.Future[_Arrival] | None:
+        """The request a dial-back connection belongs to, by the nonce it sends first; None
+        (logged, counted) for a stray one, which is then closed without a byte of user data."""
+        received = b""
+        try:
+            async with asyncio.timeout(DIAL_BACK_NONCE_TIMEOUT_SECONDS):
+                while len(received) < DIAL_BACK_NONCE_BYTES:
+                    chunk = await stream.receive(DIAL_BACK_NONCE_BYTES - len(received))
+                    if not chunk:
+                        break
+                    received += chunk
+        except (TimeoutError, StreamError):
+            pass
+        waiter = None
+        if len(received) == DIAL_BACK_NONCE_BYTES:
+            waiter = pool.waiting.pop(received, None)
+        if waiter is None or waiter.done():
+            self.stats.stray_dial_backs += 1
+            count = self.stats.stray_dial_backs
+            if count <= 10 or count & (count - 1) == 0:  # the first ten, then at powers of two
+                log.warning(
+                    "closed a stray connection to dial-back port %d (%s); %d so far",
+                    pool.vsock_port,
+                    "no nonce" if len(received) < DIAL_BACK_NONCE_BYTES else "unknown nonce",
+                    count,
+                )
+            return None
+        return waiter
+
     def _release(self, pool: _Pool) -> None:
         pool.refs -= 1
         if pool.refs > 0:
@@ -455,8 +497,6 @@ class SandboxShim:
         self._pools.pop(pool.key, None)
         if pool.listener is not None:
             pool.listener.close()
-        while not pool.arrivals.empty():
-            pool.arrivals.get_nowait().done.set()  # late dial-backs nobody waits for
         heapq.heappush(self._free_ports, pool.vsock_port)
         self.stats.listeners_open = len(self._pools)
 
@@ -509,11 +549,35 @@ class SandboxShim:
         protocol: str,
         pool: _Pool,
     ) -> _Arrival:
+        nonce = secrets.token_bytes(DIAL_BACK_NONCE_BYTES)
+        waiter: asyncio.Future[_Arrival] = asyncio.get_running_loop().create_future()
+        pool.waiting[nonce] = waiter  # before the agent is asked: it may dial back at once
+        try:
+            return await self._call_agent(agent, request, protocol, pool, nonce, waiter)
+        except BaseException:
+            if waiter.done() and not waiter.cancelled():
+                waiter.result().done.set()  # paired, but this call failed: its listener closes it
+            raise
+        finally:
+            pool.waiting.pop(nonce, None)
+            if not waiter.done():
+                waiter.cancel()
+
+    async def _call_agent(
+        self,
+        agent: TtrpcClient,
+        request: shim_pb2.PortForwardRequest,
+        protocol: str,
+        pool: _Pool,
+        nonce: bytes,
+        waiter: asyncio.Future[_Arrival],
+    ) -> _Arrival:
         message = agent_pb2.PortForwardRequest(
             container_id=request.id,
             port=request.port,
             vsock_port=pool.vsock_port,
             protocol="" if protocol == "tcp" else protocol,
+            nonce=nonce,
         )
         self.stats.agent_port_forwards += 1
         try:
@@ -550,7 +614,7 @@ class SandboxShim:
             ) from exc
         try:
             async with asyncio.timeout(DIAL_BACK_TIMEOUT_SECONDS):
-                arrival = await pool.arrivals.get()
+                arrival = await asyncio.shield(waiter)
         except TimeoutError:
             raise TtrpcError(
                 Code.DEADLINE_EXCEEDED,

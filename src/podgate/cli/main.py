@@ -10,6 +10,7 @@ from podgate.cli.demo import demo
 from podgate.cli.exec import attach_command, exec_command
 from podgate.cli.node import node
 from podgate.cli.portforward import port_forward
+from podgate.cli.proxy import proxy
 from podgate.cli.runtime import runtime
 from podgate.cli.up import up
 
@@ -26,5 +27,6 @@ main.add_command(demo)
 main.add_command(exec_command)
 main.add_command(node)
 main.add_command(port_forward)
+main.add_command(proxy)
 main.add_command(runtime)
 main.add_command(up)

@@ -1,0 +1,97 @@
+"""`podgate proxy`: podgate between the kubelet and an existing CRI runtime."""
+
+from __future__ import annotations
+
+import click
+
+from podgate.aio.loop import run
+from podgate.cli.logs import setup_logging
+from podgate.proxy.config import ConfigError, ProxyConfig, load_config, with_flags
+from podgate.proxy.server import CriProxy
+from podgate.runtime.daemon import wait_for_signal
+from podgate.streaming.tokenserver import InsecureAddressError
+
+
+@click.command("proxy")
+@click.option("--listen", default=None, help="Unix socket the kubelet connects to.")
+@click.option(
+    "--upstream",
+    default=None,
+    help="The runtime's CRI endpoint [default: unix:///run/containerd/containerd.sock].",
+)
+@click.option("--config", "config_file", default=None, help="TOML configuration file.")
+@click.option("--select-all", is_flag=True, help="Answer PortForward for every pod.")
+@click.option(
+    "--select-runtime-handler",
+    "handlers",
+    multiple=True,
+    help="Answer PortForward for pods of this runtime handler (repeatable).",
+)
+@click.option(
+    "--select-annotation",
+    "annotations",
+    multiple=True,
+    help="Answer PortForward for pods with this annotation, KEY or KEY=VALUE (repeatable).",
+)
+@click.option(
+    "--exec-via-proxy",
+    is_flag=True,
+    help="Exec/attach URLs through podgate's streaming server too (audited).",
+)
+@click.option("--stream-address", default=None, help="Streaming server address [127.0.0.1].")
+@click.option("--stream-port", type=int, default=None, help="Streaming server port; 0 = any.")
+@click.option("--stream-socket", default=None, help="Streaming server on a unix socket instead.")
+@click.option("--log-format", type=click.Choice(["text", "json"]), default="json")
+@click.option("-v", "--verbose", is_flag=True)
+def proxy(
+    listen: str | None,
+    upstream: str | None,
+    config_file: str | None,
+    select_all: bool,
+    handlers: tuple[str, ...],
+    annotations: tuple[str, ...],
+    exec_via_proxy: bool,
+    stream_address: str | None,
+    stream_port: int | None,
+    stream_socket: str | None,
+    log_format: str,
+    verbose: bool,
+) -> None:
+    """Serve CRI on --listen, passing every call through to --upstream, and answer PortForward
+    for the selected pods through the runtime's Exec (a forwarder in the pod)."""
+    setup_logging(log_format, verbose)
+    try:
+        config = load_config(config_file) if config_file else ProxyConfig()
+        config = with_flags(
+            config,
+            listen=listen,
+            upstream=upstream,
+            select_all=select_all,
+            runtime_handlers=handlers,
+            annotations=annotations,
+            exec_via_proxy=exec_via_proxy,
+            stream_address=stream_address,
+            stream_port=stream_port,
+            stream_socket=stream_socket,
+        )
+        if not config.listen:
+            raise ConfigError("no --listen socket (or `listen` in the config file)")
+        cri_proxy = CriProxy(config)
+    except (ConfigError, InsecureAddressError, OSError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    if config.select.empty:
+        click.echo("warning: no pods selected; every PortForward passes through", err=True)
+    run(_serve(cri_proxy))
+
+
+async def _serve(cri_proxy: CriProxy) -> None:
+    await cri_proxy.start()
+    click.echo(
+        f"podgate proxy ready listen={cri_proxy.config.listen} "
+        f"upstream={cri_proxy.config.upstream} streaming={cri_proxy.streaming.base_url}",
+        err=True,
+    )
+    try:
+        await wait_for_signal()
+    finally:
+        await cri_proxy.stop()

@@ -6,8 +6,9 @@ the runtime (and come back) unchanged. What is forwarded: the request bytes, the
 metadata, the remaining deadline; back come the response bytes, the upstream's initial and
 trailing metadata and, on failure, its status code and details unchanged.
 
-The method kinds (unary, server-streaming) come from the CRI descriptors; an unknown method is
-taken as unary (the kind the CRI uses for everything but event streams).
+The method kinds (unary, server-streaming) come from the CRI descriptors, plus the streaming
+methods of runtime.v1 that podgate's subset leaves out; any other method is taken as unary
+(the kind the CRI uses for everything but event streams).
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ MAX_RECONNECT_BACKOFF_MS: Final = 1000
 # Metadata gRPC itself owns; the rest is the caller's and is forwarded.
 _RESERVED_PREFIXES: Final = (":", "grpc-")
 _RESERVED_KEYS: Final = frozenset({"user-agent", "content-type", "te"})
+# runtime.v1 methods outside podgate's subset of the schema whose server streams (k8s.io/cri-api
+# v0.26+: the Evented PLEG's event stream); every other one of them is unary.
+UPSTREAM_STREAMING_METHODS: Final = frozenset({"/runtime.v1.RuntimeService/GetContainerEvents"})
 
 Metadata = Iterable[tuple[str, str | bytes]]
 # An interception: the response bytes it answers with, or None to pass the call through.
@@ -42,7 +46,7 @@ Observer = Callable[[bytes, bytes], None]
 
 def method_kinds() -> dict[str, bool]:
     """`/package.Service/Method` → whether the server streams, for every CRI method."""
-    kinds: dict[str, bool] = {}
+    kinds = dict.fromkeys(UPSTREAM_STREAMING_METHODS, True)
     for service in api_pb2.DESCRIPTOR.services_by_name.values():
         for method in service.methods:
             kinds[f"/{service.full_name}/{method.name}"] = method.server_streaming

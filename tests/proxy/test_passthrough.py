@@ -1,0 +1,298 @@
+"""The proxy's pass-through against a fake upstream that records raw bytes: unknown fields,
+metadata, deadlines, the upstream's errors, streaming, unknown methods, the upstream going
+away and coming back, and which PortForward calls the proxy answers itself."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import grpc.aio
+import pytest
+from fake_upstream import FakeUpstream
+
+from podgate.cri import api_pb2 as pb
+from podgate.proxy.config import AnnotationMatch, ProxyConfig, Selector
+from podgate.proxy.server import CriProxy
+
+RT = "/runtime.v1.RuntimeService"
+# Field 999 of a ListContainers request, varint 7: a field podgate's schema lacks.
+UNKNOWN_FIELD = bytes([0xB8, 0x3E, 0x07])
+CALL_SECONDS = 10.0
+
+
+def raw(channel: grpc.aio.Channel, method: str) -> Any:
+    return channel.unary_unary(f"{RT}/{method}")
+
+
+@pytest.fixture
+async def upstream(tmp_path: Path) -> AsyncIterator[FakeUpstream]:
+    fake = FakeUpstream(str(tmp_path / "up.sock"))
+    await fake.start()
+    yield fake
+    await fake.stop()
+
+
+async def start_proxy(tmp_path: Path, upstream: FakeUpstream, **kw: Any) -> CriProxy:
+    config = ProxyConfig(listen=str(tmp_path / "proxy.sock"), upstream=upstream.socket, **kw)
+    proxy = CriProxy(config)
+    await proxy.start()
+    return proxy
+
+
+@pytest.fixture
+async def proxied(
+    tmp_path: Path, upstream: FakeUpstream
+) -> AsyncIterator[tuple[CriProxy, grpc.aio.Channel]]:
+    proxy = await start_proxy(
+        tmp_path,
+        upstream,
+        select=Selector(
+            runtime_handlers=frozenset({"kata"}), annotations=(AnnotationMatch("fwd", "exec"),)
+        ),
+    )
+    channel = grpc.aio.insecure_channel(f"unix://{proxy.config.listen}")
+    yield proxy, channel
+    await channel.close()
+    await proxy.stop()
+
+
+async def test_unknown_fields_reach_the_upstream_and_come_back(
+    upstream: FakeUpstream, proxied: tuple[CriProxy, grpc.aio.Channel]
+) -> None:
+    request = pb.ListContainersRequest(filter=pb.ContainerFilter(id="abc")).SerializeToString()
+    request += UNKNOWN_FIELD
+    response = pb.ListContainersResponse(containers=[pb.Container(id="c1")]).SerializeToString()
+    response += UNKNOWN_FIELD
+
+    async def answer(req: bytes, context: Any) -> bytes:
+        return response
+
+    upstream.answers["ListContainers"] = answer
+    _, channel = proxied
+    got = await raw(channel, "ListContainers")(request, timeout=CALL_SECONDS)
+    (call,) = upstream.of("ListContainers")
+    assert call.request == request
+    assert got == response
+    # ...and the schema indeed lacks field 999.
+    assert 999 not in {f.number for f in pb.ListContainersRequest.DESCRIPTOR.fields}
+
+
+async def test_metadata_and_deadline_are_forwarded(
+    upstream: FakeUpstream, proxied: tuple[CriProxy, grpc.aio.Channel]
+) -> None:
+    _, channel = proxied
+    await raw(channel, "Version")(
+        b"", metadata=(("x-trace", "t-1"), ("x-bin", b"\x00\x01")), timeout=CALL_SECONDS
+    )
+    await raw(channel, "Version")(b"")
+    with_deadline, without = upstream.of("Version")
+    assert with_deadline.metadata["x-trace"] == "t-1"
+    assert with_deadline.metadata["x-bin"] == b"\x00\x01"
+    assert with_deadline.time_remaining is not None
+    # grpc-timeout travels in coarse units, rounded up: a few percent over is the same deadline.
+    assert 0 < with_deadline.time_remaining <= CALL_SECONDS * 1.05
+    assert "x-trace" not in without.metadata
+    # No deadline from the caller, none to the upstream (gRPC reports "far away", not None).
+    assert without.time_remaining is None or without.time_remaining > CALL_SECONDS * 1000
+
+
+async def test_upstream_errors_come_back_unchanged(
+    upstream: FakeUpstream, proxied: tuple[CriProxy, grpc.aio.Channel]
+) -> None:
+    async def answer(req: bytes, context: Any) -> bytes:
+        context.set_trailing_metadata((("x-why", "gone"),))
+        await context.abort(grpc.StatusCode.NOT_FOUND, 'an error occurred when try to find "c9"')
+        raise AssertionError
+
+    upstream.answers["ContainerStatus"] = answer
+    _, channel = proxied
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await raw(channel, "ContainerStatus")(b"\n\x02c9", timeout=CALL_SECONDS)
+    assert caught.value.code() is grpc.StatusCode.NOT_FOUND
+    assert caught.value.details() == 'an error occurred when try to find "c9"'
+    assert ("x-why", "gone") in tuple(caught.value.trailing_metadata() or ())
+
+
+async def test_initial_and_trailing_metadata_of_a_success_come_back(
+    upstream: FakeUpstream, proxied: tuple[CriProxy, grpc.aio.Channel]
+) -> None:
+    async def answer(req: bytes, context: Any) -> bytes:
+        await context.send_initial_metadata((("x-first", "1"),))
+        context.set_trailing_metadata((("x-last", "2"),))
+        return b"\n\x010"
+
+    upstream.answers["Status"] = answer
+    _, channel = proxied
+    call = raw(channel, "Status")(b"", timeout=CALL_SECONDS)
+    assert await call == b"\n\x010"
+    assert ("x-first", "1") in tuple(await call.initial_metadata())
+    assert ("x-last", "2") in tuple(await call.trailing_metadata())
+
+
+async def test_server_streaming_events_pass_through(
+    upstream: FakeUpstream, proxied: tuple[CriProxy, grpc.aio.Channel]
+) -> None:
+    # ContainerEventResponse{container_id: "cI"} (podgate's schema has no event messages).
+    events = [b"\n\x02c" + str(i).encode() + UNKNOWN_FIELD for i in range(5)]
+    upstream.stream_messages = events
+    _, channel = proxied
+    call = channel.unary_stream(f"{RT}/GetContainerEvents")(b"", timeout=CALL_SECONDS)
+    got = [message async for message in call]
+    assert got == events
+
+
+async def test_an_unknown_method_passes_through_as_unary(
+    upstream: FakeUpstream, proxied: tuple[CriProxy, grpc.aio.Channel]
+) -> None:
+    async def answer(req: bytes, context: Any) -> bytes:
+        return req[::-1]
+
+    upstream.answers["FutureMethod"] = answer
+    _, channel = proxied
+    assert await raw(channel, "FutureMethod")(b"abc", timeout=CALL_SECONDS) == b"cba"
+    assert [c.request for c in upstream.of("FutureMethod")] == [b"abc"]
+
+
+async def test_calls_fail_while_the_upstream_is_down_then_recover(
+    upstream: FakeUpstream, proxied: tuple[CriProxy, grpc.aio.Channel]
+) -> None:
+    _, channel = proxied
+    await raw(channel, "Version")(b"", timeout=CALL_SECONDS)
+    await upstream.stop()
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await raw(channel, "Version")(b"", timeout=CALL_SECONDS)
+    assert caught.value.code() is grpc.StatusCode.UNAVAILABLE
+    await upstream.start()
+    async with asyncio.timeout(CALL_SECONDS * 3):
+        while True:
+            try:
+                await raw(channel, "Version")(b"", timeout=CALL_SECONDS)
+                break
+            except grpc.aio.AioRpcError as exc:
+                assert exc.code() is grpc.StatusCode.UNAVAILABLE
+                await asyncio.sleep(0.1)
+
+
+def sandbox_answer(handler: str, annotations: dict[str, str]) -> Any:
+    async def answer(req: bytes, context: Any) -> bytes:
+        sid = pb.PodSandboxStatusRequest.FromString(req).pod_sandbox_id
+        status = pb.PodSandboxStatus(
+            id=sid,
+            metadata=pb.PodSandboxMetadata(name="p", namespace="ns", uid="u"),
+            runtime_handler=handler,
+            annotations=annotations,
+        )
+        return pb.PodSandboxStatusResponse(status=status).SerializeToString()
+
+    return answer
+
+
+async def upstream_url(req: bytes, context: Any) -> bytes:
+    return pb.PortForwardResponse(url="http://127.0.0.1:1/portforward/UPSTREAM").SerializeToString()
+
+
+@pytest.mark.parametrize(
+    ("handler", "annotations", "selected"),
+    [
+        ("kata", {}, True),
+        ("runc", {"fwd": "exec"}, True),
+        ("runc", {"fwd": "other"}, False),
+        ("runc", {}, False),
+    ],
+)
+async def test_port_forward_is_answered_for_selected_pods_only(
+    upstream: FakeUpstream,
+    proxied: tuple[CriProxy, grpc.aio.Channel],
+    handler: str,
+    annotations: dict[str, str],
+    selected: bool,
+) -> None:
+    upstream.answers["PodSandboxStatus"] = sandbox_answer(handler, annotations)
+    upstream.answers["PortForward"] = upstream_url
+    proxy, channel = proxied
+    stub = channel.unary_unary(
+        f"{RT}/PortForward",
+        request_serializer=pb.PortForwardRequest.SerializeToString,
+        response_deserializer=pb.PortForwardResponse.FromString,
+    )
+    response = await stub(pb.PortForwardRequest(pod_sandbox_id="s1"), timeout=CALL_SECONDS)
+    if selected:
+        assert response.url.startswith(proxy.streaming.base_url + "/portforward/")
+        assert upstream.of("PortForward") == []
+    else:
+        assert response.url == "http://127.0.0.1:1/portforward/UPSTREAM"
+        assert len(upstream.of("PortForward")) == 1
+
+
+async def test_the_sandbox_is_looked_up_once_until_it_is_removed(
+    upstream: FakeUpstream, proxied: tuple[CriProxy, grpc.aio.Channel]
+) -> None:
+    upstream.answers["PodSandboxStatus"] = sandbox_answer("kata", {})
+    proxy, channel = proxied
+    request = pb.PortForwardRequest(pod_sandbox_id="s1").SerializeToString()
+    for _ in range(3):
+        await raw(channel, "PortForward")(request, timeout=CALL_SECONDS)
+    assert len(upstream.of("PodSandboxStatus")) == 1
+    remove = pb.RemovePodSandboxRequest(pod_sandbox_id="s1").SerializeToString()
+    await raw(channel, "RemovePodSandbox")(remove, timeout=CALL_SECONDS)
+    assert len(proxy.sandboxes) == 0
+    await raw(channel, "PortForward")(request, timeout=CALL_SECONDS)
+    assert len(upstream.of("PodSandboxStatus")) == 2
+
+
+async def test_a_sandbox_the_upstream_does_not_know_gets_the_upstreams_answer(
+    upstream: FakeUpstream, proxied: tuple[CriProxy, grpc.aio.Channel]
+) -> None:
+    async def missing(req: bytes, context: Any) -> bytes:
+        await context.abort(grpc.StatusCode.NOT_FOUND, "sandbox not found")
+        raise AssertionError
+
+    upstream.answers["PodSandboxStatus"] = missing
+    upstream.answers["PortForward"] = missing
+    _, channel = proxied
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await raw(channel, "PortForward")(b"\n\x02s1", timeout=CALL_SECONDS)
+    assert (caught.value.code(), caught.value.details()) == (
+        grpc.StatusCode.NOT_FOUND,
+        "sandbox not found",
+    )
+
+
+async def test_exec_via_proxy_wraps_the_upstream_url_and_keeps_unknown_fields(
+    tmp_path: Path, upstream: FakeUpstream
+) -> None:
+    response = pb.ExecResponse(url="http://127.0.0.1:1/exec/UP").SerializeToString()
+
+    async def answer(req: bytes, context: Any) -> bytes:
+        return response + UNKNOWN_FIELD
+
+    upstream.answers["Exec"] = answer
+    proxy = await start_proxy(tmp_path, upstream, exec_via_proxy=True)
+    try:
+        async with grpc.aio.insecure_channel(f"unix://{proxy.config.listen}") as channel:
+            request = pb.ExecRequest(container_id="c1", cmd=["ls"], stdout=True)
+            got = await raw(channel, "Exec")(request.SerializeToString(), timeout=CALL_SECONDS)
+    finally:
+        await proxy.stop()
+    parsed = pb.ExecResponse.FromString(got)
+    assert parsed.url.startswith(proxy.streaming.base_url + "/exec/")
+    assert got.endswith(UNKNOWN_FIELD)
+    (call,) = upstream.of("Exec")
+    assert call.request == request.SerializeToString()
+
+
+async def test_without_exec_via_proxy_exec_urls_pass_through(
+    upstream: FakeUpstream, proxied: tuple[CriProxy, grpc.aio.Channel]
+) -> None:
+    response = pb.ExecResponse(url="http://127.0.0.1:1/exec/UP").SerializeToString()
+
+    async def answer(req: bytes, context: Any) -> bytes:
+        return response
+
+    upstream.answers["Exec"] = answer
+    _, channel = proxied
+    assert await raw(channel, "Exec")(b"\n\x02c1", timeout=CALL_SECONDS) == response

@@ -6,9 +6,10 @@ two pods (imported by module name; keep it unique):
   from the pod's network namespace as containerd dials it, but can from inside the sandbox.
 
 How the sandbox is simulated: the pod gets a network namespace of its own (CNI: `host-device`
-moves a dummy link made for the test into it, `static` IPAM, containerd's `loopback`), and in
-that namespace only an iptables OUTPUT rule REJECTs (TCP reset) connections to the listener's
-port on `lo` from sockets owned by uid 0. containerd's port-forward dials from its own process
+moves one end of a veth pair made for the test into it, the other end staying down on the
+host; `static` IPAM; containerd's `loopback`), and in that namespace only an iptables OUTPUT
+rule REJECTs (TCP reset) connections to the listener's port on `lo` from sockets owned by
+uid 0. containerd's port-forward dials from its own process
 (root) after entering the pod's namespace, so it is refused, as it finds nothing listening
 in a VM's or netstack's pod namespace; the container runs as uid 1000, so a forwarder exec'd
 in it (what the proxy does) connects. The rule lives in the pod's namespace alone, which the
@@ -290,11 +291,14 @@ def proxy_stack() -> Iterator[ProxyStack]:
     tools, why = missing_tools()
     if tools is None:
         pytest.skip(why)
-    work = Path(tempfile.mkdtemp(prefix="pgpx", dir="/tmp"))
     device = f"pgpx{uuid.uuid4().hex[:8]}"
     tag = f"podgate-proxy-test-{uuid.uuid4().hex[:8]}"
-    subprocess.run(["ip", "link", "add", device, "type", "dummy"], check=True)
+    # A veth pair: one end moves into the pod, the other stays down on the host (no address,
+    # no route) and takes the pair with it when deleted.
+    peer = device + "h"
+    subprocess.run(["ip", "link", "add", device, "type", "veth", "peer", "name", peer], check=True)
     proxy: Process | None = None
+    work = Path(tempfile.mkdtemp(prefix="pgpx", dir="/tmp"))
     try:
         with private_containerd(tools) as ctrd:
             setup_cni(ctrd, device)
@@ -335,5 +339,5 @@ def proxy_stack() -> Iterator[ProxyStack]:
         if proxy is not None and proxy.proc.poll() is None:
             stop_process(proxy.proc)
         # Back in the host's namespace once the pod's is gone (or never left it).
-        subprocess.run(["ip", "link", "del", device], capture_output=True, check=False)
+        subprocess.run(["ip", "link", "del", peer], capture_output=True, check=False)
         shutil.rmtree(work, ignore_errors=True)

@@ -6,10 +6,16 @@ import click
 
 from podgate.aio.loop import run
 from podgate.cli.logs import setup_logging
-from podgate.proxy.config import ConfigError, ProxyConfig, load_config, with_flags
+from podgate.proxy.config import (
+    ConfigError,
+    ProxyConfig,
+    load_config,
+    upstream_socket,
+    with_flags,
+)
 from podgate.proxy.server import CriProxy
 from podgate.runtime.daemon import wait_for_signal
-from podgate.streaming.tokenserver import InsecureAddressError
+from podgate.streaming.tokenserver import InsecureAddressError, check_address
 
 
 @click.command("proxy")
@@ -76,16 +82,24 @@ def proxy(
         )
         if not config.listen:
             raise ConfigError("no --listen socket (or `listen` in the config file)")
-        cri_proxy = CriProxy(config)
-    except (ConfigError, InsecureAddressError, OSError) as exc:
+        upstream_socket(config.upstream)
+        if not config.stream_socket:
+            check_address(config.stream_address, False)
+    except (ConfigError, InsecureAddressError) as exc:
         raise click.ClickException(str(exc)) from exc
     if config.select.empty:
         click.echo("warning: no pods selected; every PortForward passes through", err=True)
-    run(_serve(cri_proxy))
+    run(_serve(config))
 
 
-async def _serve(cri_proxy: CriProxy) -> None:
-    await cri_proxy.start()
+async def _serve(config: ProxyConfig) -> None:
+    # Made inside the loop: its gRPC channels belong to the loop that creates them.
+    cri_proxy = CriProxy(config)
+    try:
+        await cri_proxy.start()
+    except OSError as exc:
+        await cri_proxy.stop()
+        raise click.ClickException(str(exc)) from exc
     click.echo(
         f"podgate proxy ready listen={cri_proxy.config.listen} "
         f"upstream={cri_proxy.config.upstream} streaming={cri_proxy.streaming.base_url}",

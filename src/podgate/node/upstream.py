@@ -75,9 +75,18 @@ def _failure(result: ExecResult) -> str | None:
     return message
 
 
-async def relay_exec(url: str, io: ExecIO, *, ssl_context: ssl.SSLContext | None = None) -> int:
+async def relay_exec(
+    url: str,
+    io: ExecIO,
+    *,
+    ssl_context: ssl.SSLContext | None = None,
+    want_stderr: bool | None = None,
+) -> int:
     """Run an exec or attach session on a runtime's one-time streaming URL with `io` as its
-    stdio; the command's exit code, or TargetError with the runtime's text."""
+    stdio; the command's exit code, or TargetError with the runtime's text.
+
+    `want_stderr`: whether to open a stderr stream (the URL's request decides; by default one
+    is opened unless there is a tty)."""
     try:
         endpoint, path = endpoint_from_url(url, ssl_context=ssl_context)
         result = await exec_spdy(
@@ -89,6 +98,7 @@ async def relay_exec(url: str, io: ExecIO, *, ssl_context: ssl.SSLContext | None
             tty=io.tty,
             resizes=io.resizes,
             want_stdin=io.stdin is not None,
+            want_stderr=want_stderr,
         )
     except UpgradeError as exc:
         raise TargetError(f"error connecting to the runtime's streaming server: {exc}") from exc

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from podgate.aio.streams import ByteStream
 from podgate.node.upstream import relay_exec
+from podgate.proto.remotecommand import ExecOptions
 from podgate.streaming.target import ExecIO, PodRef, TargetError
 
 audit = logging.getLogger("podgate.proxy.audit")
@@ -23,9 +24,11 @@ def audit_line(**entry: object) -> None:
 class RelayTarget:
     """The StreamTarget of one exec or attach: the upstream's URL for that very call."""
 
-    def __init__(self, url: str, container_id: str) -> None:
+    def __init__(self, url: str, container_id: str, options: ExecOptions) -> None:
         self.url = url
         self.container_id = container_id
+        # The upstream's server expects exactly the streams its CRI request named.
+        self.options = options
 
     async def exec(
         self, pod: PodRef, container: str | None, command: Sequence[str], io: ExecIO
@@ -43,7 +46,15 @@ class RelayTarget:
         audit_line(event="stream_started", kind=kind, container=self.container_id, command=command)
         outcome, exit_code = "error", None
         try:
-            exit_code = await relay_exec(self.url, io)
+            stdio = ExecIO(
+                stdin=io.stdin if self.options.stdin else None,
+                stdout=io.stdout if self.options.stdout else None,
+                stderr=io.stderr if self.options.stderr else None,
+                tty=io.tty,
+                resizes=io.resizes,
+            )
+            want_stderr = self.options.stderr and not self.options.tty
+            exit_code = await relay_exec(self.url, stdio, want_stderr=want_stderr)
             outcome = "exited"
             return exit_code
         except TargetError as exc:

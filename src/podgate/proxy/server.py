@@ -176,7 +176,7 @@ class CriProxy:
             PodRef("", container_id),
             container_id=container_id,
             options=options,
-            target=RelayTarget(upstream_url, container_id),
+            target=RelayTarget(upstream_url, container_id, options),
         )
         return await self._url(context, pending)
 

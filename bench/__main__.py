@@ -23,6 +23,7 @@ from rich.console import Console
 
 from bench import forward as bench_forward
 from bench import gateway as bench_gateway
+from bench import proxy as bench_proxy
 from bench import runtime as bench_runtime
 from bench.common import LOOP_CHOICES, format_size, parse_size
 from bench.portforward import DIRECTIONS, PATH_NAMES, Options, run_all
@@ -164,6 +165,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         f"{bench_forward.UDP_DATAGRAMS} at --size 1G, proportionally fewer for smaller sizes)",
     )
     parser.add_argument(
+        "--proxy",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also measure `podgate proxy` in front of a private containerd: unary call latency "
+        "and port-forward throughput against containerd's own (default: on as root)",
+    )
+    parser.add_argument(
+        "--proxy-calls",
+        type=int,
+        default=bench_proxy.DEFAULT_CALLS,
+        help=f"unary calls per method and path (default {bench_proxy.DEFAULT_CALLS})",
+    )
+    parser.add_argument(
+        "--proxy-size",
+        type=parse_size,
+        default=bench_proxy.DEFAULT_SIZE,
+        help="bytes each way per proxy port-forward run (default 64M)",
+    )
+    parser.add_argument(
         "--json",
         type=Path,
         default=RESULTS_DIR / "latest.json",
@@ -230,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         args.forward if args.forward is not None else os.geteuid() == 0 and not args.skip_kubectl
     )
     forward = None
+    with_proxy = args.proxy if args.proxy is not None else os.geteuid() == 0
+    proxy = None
     try:
         results = run_all(options, progress=progress)
         if with_runtime and options.throughput:
@@ -242,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
             forward = bench_forward.run_forward(
                 options, progress, args.forward_paths, args.udp_datagrams
             )
+        if with_proxy:
+            proxy = bench_proxy.run_proxy(args.proxy_calls, args.proxy_size, options.runs, progress)
     except ChildError as exc:
         err.print(f"[red]bench failed: {exc}[/red]")
         return 1
@@ -255,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
         data["gateway"] = gateway
     if forward is not None:
         data["forward"] = forward
+    if proxy is not None:
+        data["proxy"] = proxy
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(data, indent=1) + "\n")
     md_path = args.markdown or args.json.with_suffix(".md")
@@ -263,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         + ("\n" + bench_runtime.markdown(runtime) if runtime is not None else "")
         + ("\n" + bench_gateway.markdown(gateway) if gateway is not None else "")
         + ("\n" + bench_forward.markdown(forward) if forward is not None else "")
+        + ("\n" + bench_proxy.markdown(proxy) if proxy is not None else "")
     )
     print_report(data, console)
     if runtime is not None:
@@ -271,11 +298,15 @@ def main(argv: list[str] | None = None) -> int:
         bench_gateway.print_report(gateway, console)
     if forward is not None:
         bench_forward.print_report(forward, console)
+    if proxy is not None:
+        bench_proxy.print_report(proxy, console)
     console.print(f"results: {args.json} and {md_path}")
     failed = [s for s in data["summary"]["throughput"] + data["summary"]["conns"] if s["errors"]]
     if gateway is not None and bench_gateway.failed(gateway):
         return 1
     if forward is not None and bench_forward.failed(forward):
+        return 1
+    if proxy is not None and bench_proxy.failed(proxy):
         return 1
     return 1 if failed or (runtime is not None and bench_runtime.failed(runtime)) else 0
 

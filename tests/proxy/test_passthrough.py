@@ -296,3 +296,40 @@ async def test_without_exec_via_proxy_exec_urls_pass_through(
     upstream.answers["Exec"] = answer
     _, channel = proxied
     assert await raw(channel, "Exec")(b"\n\x02c1", timeout=CALL_SECONDS) == response
+
+
+async def test_a_malformed_port_forward_request_goes_to_the_upstream_as_is(
+    upstream: FakeUpstream, proxied: tuple[CriProxy, grpc.aio.Channel]
+) -> None:
+    async def refuse(req: bytes, context: Any) -> bytes:
+        await context.abort(grpc.StatusCode.INTERNAL, "grpc: error unmarshalling request")
+        raise AssertionError
+
+    upstream.answers["PortForward"] = refuse
+    _, channel = proxied
+    garbage = b"\x0a\xff\xff"  # field 1, a length running past the end
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await raw(channel, "PortForward")(garbage, timeout=CALL_SECONDS)
+    assert caught.value.code() is grpc.StatusCode.INTERNAL
+    assert [c.request for c in upstream.of("PortForward")] == [garbage]
+    assert upstream.of("PodSandboxStatus") == []
+    # ...and the proxy goes on serving.
+    assert await raw(channel, "Version")(b"", timeout=CALL_SECONDS) == b""
+
+
+async def test_an_exec_answer_the_proxy_cannot_read_is_passed_on_unchanged(
+    tmp_path: Path, upstream: FakeUpstream
+) -> None:
+    odd = b"\x0a\xff\xff"
+
+    async def answer(req: bytes, context: Any) -> bytes:
+        return odd
+
+    upstream.answers["Exec"] = answer
+    proxy = await start_proxy(tmp_path, upstream, exec_via_proxy=True)
+    try:
+        async with grpc.aio.insecure_channel(f"unix://{proxy.config.listen}") as channel:
+            got = await raw(channel, "Exec")(b"\n\x02c1", timeout=CALL_SECONDS)
+    finally:
+        await proxy.stop()
+    assert got == odd

@@ -395,39 +395,50 @@ async def test_the_proxy_restarts_without_losing_what_matters(stack: ProxyStack)
 def test_containerd_restarting_fails_calls_then_they_recover(stack: ProxyStack) -> None:
     ctrd = stack.ctrd
     assert ctrd.proc is not None
-    in_flight: list[BaseException | None] = [None]
+    # One call through the proxy and the same call straight to containerd, both in flight.
+    in_flight: dict[str, BaseException | None] = {"proxy": None, "direct": None}
     sleeping = pb.ExecSyncRequest(
         container_id=stack.plain.container_id,
         cmd=["sleep", str(IN_FLIGHT_SLEEP_SECONDS)],
         timeout=IN_FLIGHT_SLEEP_SECONDS * 2,
     )
 
-    def call() -> None:
-        with channel_to(stack.proxy_socket) as channel:
+    def call(path: str, socket_path: Path) -> None:
+        with channel_to(socket_path) as channel:
             try:
                 pb_grpc.RuntimeServiceStub(channel).ExecSync(
                     sleeping, timeout=IN_FLIGHT_SLEEP_SECONDS * 3
                 )
             except grpc.RpcError as exc:
-                in_flight[0] = exc
+                in_flight[path] = exc
 
-    caller = threading.Thread(target=call)
-    caller.start()
-    # The call has reached containerd once its `sleep` runs in the container.
+    callers = [
+        threading.Thread(target=call, args=("proxy", stack.proxy_socket)),
+        threading.Thread(target=call, args=("direct", ctrd.socket)),
+    ]
+    for caller in callers:
+        caller.start()
+    # Both calls have reached containerd once both `sleep`s run in the container.
     for _ in range(int(RECOVER_SECONDS / 0.05)):
         ps = subprocess.run(
-            ["pgrep", "-f", f"^sleep {IN_FLIGHT_SLEEP_SECONDS}$"], capture_output=True, check=False
+            ["pgrep", "-c", "-f", f"^sleep {IN_FLIGHT_SLEEP_SECONDS}$"],
+            capture_output=True,
+            text=True,
+            check=False,
         )
-        if ps.returncode == 0:
+        if ps.stdout.strip().isdigit() and int(ps.stdout) >= 2:
             break
         threading.Event().wait(0.05)
     os.kill(ctrd.proc.pid, signal.SIGTERM)
     ctrd.proc.wait(STOP_GRACE_SECONDS * 3)
-    caller.join(CRI_CALL_SECONDS)
-    assert not caller.is_alive()
-    error = in_flight[0]
-    assert isinstance(error, grpc.RpcError), "the in-flight call did not fail"
-    assert error.code() is grpc.StatusCode.UNAVAILABLE, error  # type: ignore[attr-defined]
+    for caller in callers:
+        caller.join(CRI_CALL_SECONDS)
+        assert not caller.is_alive()
+    proxied, direct = in_flight["proxy"], in_flight["direct"]
+    assert isinstance(proxied, grpc.RpcError), "the in-flight call did not fail"
+    assert isinstance(direct, grpc.RpcError), "the direct in-flight call did not fail"
+    # The proxy's caller sees what a direct caller of containerd sees.
+    assert proxied.code() is direct.code() is grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
     with channel_to(stack.proxy_socket) as channel, pytest.raises(grpc.RpcError) as down:
         pb_grpc.RuntimeServiceStub(channel).Version(pb.VersionRequest(), timeout=CRI_CALL_SECONDS)
     assert down.value.code() is grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]

@@ -19,6 +19,7 @@ from typing import Any, Final
 
 import grpc
 import grpc.aio
+from google.protobuf.message import DecodeError
 
 from podgate.cri import api_pb2 as pb
 from podgate.node.cri_client import CriClient
@@ -107,7 +108,7 @@ class CriProxy:
     ) -> bytes | None:
         try:
             parsed = pb.PortForwardRequest.FromString(request)
-        except Exception:  # malformed: the upstream answers it with its own error
+        except DecodeError:  # malformed: the upstream answers it with its own error
             return None
         sandbox = await self.sandboxes.lookup(parsed.pod_sandbox_id, context.time_remaining())
         if sandbox is None or not sandbox.selected:
@@ -127,8 +128,11 @@ class CriProxy:
         self, request: bytes, context: grpc.aio.ServicerContext[Any, Any]
     ) -> bytes | None:
         response = await self.passthrough.call_upstream(f"{RUNTIME_SERVICE}/Exec", request, context)
-        parsed = pb.ExecRequest.FromString(request)
-        answer = pb.ExecResponse.FromString(response)
+        try:
+            parsed = pb.ExecRequest.FromString(request)
+            answer = pb.ExecResponse.FromString(response)
+        except DecodeError:
+            return response  # the upstream took it; what we cannot read we leave alone
         options = rc.ExecOptions(
             command=tuple(parsed.cmd),
             container=parsed.container_id,
@@ -149,8 +153,11 @@ class CriProxy:
         response = await self.passthrough.call_upstream(
             f"{RUNTIME_SERVICE}/Attach", request, context
         )
-        parsed = pb.AttachRequest.FromString(request)
-        answer = pb.AttachResponse.FromString(response)
+        try:
+            parsed = pb.AttachRequest.FromString(request)
+            answer = pb.AttachResponse.FromString(response)
+        except DecodeError:
+            return response
         options = rc.ExecOptions(
             container=parsed.container_id,
             stdin=parsed.stdin,
@@ -190,5 +197,5 @@ class CriProxy:
             raise AssertionError("abort returned") from exc  # pragma: no cover
 
     def _removed(self, request: bytes, response: bytes) -> None:
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(DecodeError):
             self.sandboxes.forget(pb.RemovePodSandboxRequest.FromString(request).pod_sandbox_id)

@@ -333,3 +333,41 @@ async def test_an_exec_answer_the_proxy_cannot_read_is_passed_on_unchanged(
     finally:
         await proxy.stop()
     assert got == odd
+
+
+async def test_streaming_urls_on_a_unix_socket(tmp_path: Path, upstream: FakeUpstream) -> None:
+    upstream.answers["PodSandboxStatus"] = sandbox_answer("kata", {})
+    stream_socket = tmp_path / "stream.sock"
+    proxy = await start_proxy(
+        tmp_path,
+        upstream,
+        select=Selector(all=True),
+        stream_socket=str(stream_socket),
+    )
+    try:
+        async with grpc.aio.insecure_channel(f"unix://{proxy.config.listen}") as channel:
+            got = await raw(channel, "PortForward")(
+                pb.PortForwardRequest(pod_sandbox_id="s1").SerializeToString(),
+                timeout=CALL_SECONDS,
+            )
+    finally:
+        await proxy.stop()
+    url = pb.PortForwardResponse.FromString(got).url
+    assert url.startswith("http+unix://" + str(stream_socket).replace("/", "%2F") + "/portforward/")
+
+
+async def test_attach_via_proxy_wraps_the_upstream_url(
+    tmp_path: Path, upstream: FakeUpstream
+) -> None:
+    async def answer(req: bytes, context: Any) -> bytes:
+        return pb.AttachResponse(url="http://127.0.0.1:1/attach/UP").SerializeToString()
+
+    upstream.answers["Attach"] = answer
+    proxy = await start_proxy(tmp_path, upstream, exec_via_proxy=True)
+    try:
+        async with grpc.aio.insecure_channel(f"unix://{proxy.config.listen}") as channel:
+            request = pb.AttachRequest(container_id="c1", stdin=True, stdout=True)
+            got = await raw(channel, "Attach")(request.SerializeToString(), timeout=CALL_SECONDS)
+    finally:
+        await proxy.stop()
+    assert pb.AttachResponse.FromString(got).url.startswith(proxy.streaming.base_url + "/attach/")

@@ -52,7 +52,8 @@ class CriProxy:
         self.channel = upstream_channel(f"unix://{socket_path}")
         self.passthrough = PassThrough(self.channel)
         self.sandboxes = SandboxCache(self.channel, config.select)
-        self.client = CriClient(socket_path)
+        # The exec forwarder's calls share the reconnecting channel.
+        self.client = CriClient(socket_path, channel=self.channel)
         self.target = CriTarget(self.client, via_exec=True)
         self.streaming = StreamingServer(
             self.target,

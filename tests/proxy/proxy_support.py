@@ -9,7 +9,8 @@ How the sandbox is simulated: the pod gets a network namespace of its own (CNI: 
 moves one end of a veth pair made for the test into it, the other end staying down on the
 host; `static` IPAM; containerd's `loopback`), and in that namespace only an iptables OUTPUT
 rule REJECTs (TCP reset) connections to the listener's port on `lo` from sockets owned by
-uid 0. containerd's port-forward dials from its own process
+uid 0 (unless their group is AGENT_GID, the stand-in for a sandbox agent that lives inside
+the sandbox). containerd's port-forward dials from its own process
 (root) after entering the pod's namespace, so it is refused, as it finds nothing listening
 in a VM's or netstack's pod namespace; the container runs as uid 1000, so a forwarder exec'd
 in it (what the proxy does) connects. The rule lives in the pod's namespace alone, which the
@@ -54,6 +55,9 @@ SELECT_ANNOTATION = "podgate.test/sandbox"
 SELECT_VALUE = "netstack"
 # The container's user: not root, so iptables' owner match lets its forwarder through.
 POD_UID = 1000
+# podgate's agent, standing in for the one inside a real sandbox, runs in the pod's namespace
+# as root with this group, which the iptables rule lets through (containerd's group is 0).
+AGENT_GID = 4242
 # containerd picks a new CNI configuration up from its directory within this.
 CNI_READY_SECONDS = 30.0
 # From starting `podgate proxy` (or `podgate node`) to its ready line.
@@ -238,7 +242,7 @@ def sandbox_pid(runtime: pb.RuntimeServiceStub, sandbox_id: str) -> int:
 def iptables_rule(port: int, tag: str) -> list[str]:
     return [
         "OUTPUT", "-o", "lo", "-p", "tcp", "--dport", str(port),
-        "-m", "owner", "--uid-owner", "0",
+        "-m", "owner", "--uid-owner", "0", "!", "--gid-owner", str(AGENT_GID),
         "-m", "comment", "--comment", tag,
         "-j", "REJECT", "--reject-with", "tcp-reset",
     ]  # fmt: skip

@@ -79,3 +79,12 @@ def test_upstream_endpoints() -> None:
         upstream_socket("tcp://127.0.0.1:1234")
     with pytest.raises(ConfigError, match="absolute"):
         upstream_socket("unix://relative.sock")
+
+
+def test_the_agent_table(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('[agent]\nsocket = "/run/a/{sandbox_id}.sock"\ndialback = "/run/a/db"\n')
+    config = load_config(path)
+    assert (config.agent_socket, config.agent_dialback) == ("/run/a/{sandbox_id}.sock", "/run/a/db")
+    assert with_flags(config, agent_socket="/x/{sandbox_id}").agent_socket == "/x/{sandbox_id}"
+    assert load_config(EXAMPLE).agent_socket == ""

@@ -14,6 +14,7 @@ import hashlib
 import os
 import signal
 import subprocess
+import sys
 import threading
 import uuid
 from collections.abc import Iterator
@@ -24,11 +25,15 @@ import pytest
 from containerd_support import CRI_CALL_SECONDS, IMAGE_NAME, STOP_GRACE_SECONDS
 from e2e_support import Kubectl, exchange_tcp, free_port, kubectl_binary, sha256_hex, stop_process
 from proxy_support import (
+    AGENT_GID,
     NODE_READY,
+    READY_SECONDS,
+    Process,
     ProxyStack,
     echo_command,
     proxy_stack,
     run_pod,
+    sandbox_pid,
     start_process,
     start_proxy,
 )
@@ -38,7 +43,9 @@ from podgate.cri import api_pb2 as pb
 from podgate.cri import api_pb2_grpc as pb_grpc
 from podgate.node.cri_client import CriClient
 from podgate.node.upstream import EXEC_NO_UDP, CriTarget, UpstreamForwardError
+from podgate.proto.datagram import DatagramDecoder, encode_datagram
 from podgate.streaming.target import ExecIO, PodRef, TargetError
+from udp_support import UDP_ECHO_SERVER
 
 pytestmark = [pytest.mark.e2e, pytest.mark.privileged]
 
@@ -54,6 +61,8 @@ KUBECTL_BYTES = 4 * MIB
 TRANSFER_SECONDS = 60.0
 # A field number runtime.v1's ListContainersRequest lacks, varint 7.
 UNKNOWN_FIELD = bytes([0xB8, 0x3E, 0x07])
+# Datagrams echoed through the agent, one at a time (each reply checked byte for byte).
+UDP_DATAGRAMS = 50
 # After containerd comes back, the proxy's channel reconnects within this.
 RECOVER_SECONDS = 30.0
 # The in-flight call that containerd's restart interrupts runs this long.
@@ -478,3 +487,92 @@ def test_containerd_restarting_fails_calls_then_they_recover(stack: ProxyStack) 
 
     sent, got = asyncio.run(forward())
     assert sent == got
+
+
+# -- the sandbox agent --------------------------------------------------------------------------
+
+
+async def test_the_sandbox_agent_forwards_tcp_and_udp_through_the_proxy(
+    stack: ProxyStack,
+) -> None:
+    """`podgate agent serve` in the netstack pod's namespace stands in for the agent inside a
+    gVisor or Kata sandbox; a second proxy is configured with its socket. UDP works there (the
+    agent frames datagrams), where the exec forwarder refuses it."""
+    work = stack.work / "ag"
+    work.mkdir()
+    sandbox = stack.netstack.sandbox_id
+    pid = sandbox_pid(stack.ctrd.runtime, sandbox)
+    agent_log = work / "agent.log"
+    udp_port = free_port()
+    with agent_log.open("wb") as log:
+        agent = subprocess.Popen(
+            [
+                *("nsenter", "-t", str(pid), "-n"),
+                *("setpriv", "--regid", str(AGENT_GID), "--clear-groups"),
+                *(sys.executable, "-m", "podgate", "agent", "serve"),
+                *("--listen", f"unix://{work}/{sandbox}.sock"),
+                *("--host", f"hvsock://{work}/db"),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    echo = subprocess.Popen(
+        [
+            "nsenter",
+            "-t",
+            str(pid),
+            "-n",
+            sys.executable,
+            "-c",
+            UDP_ECHO_SERVER,
+            "127.0.0.1",
+            str(udp_port),
+        ],
+        stdout=subprocess.PIPE,
+    )
+    second: Process | None = None
+    try:
+        assert echo.stdout is not None and echo.stdout.readline().startswith(b"listening")
+        for _ in range(int(READY_SECONDS / 0.05)):
+            if (work / f"{sandbox}.sock").exists() or agent.poll() is not None:
+                break
+            await asyncio.sleep(0.05)
+        assert (work / f"{sandbox}.sock").exists(), agent_log.read_text()
+        second = start_proxy(
+            work,
+            stack.ctrd,
+            *("--agent-socket", f"{work}/{{sandbox_id}}.sock"),
+            *("--agent-dialback", f"{work}/db"),
+        )
+        client = CriClient(str(work / "proxy.sock"))
+        target = CriTarget(client)
+        try:
+            sent, got = await echo_through(target, ref(stack.netstack), stack.netstack.port, MIB)
+            assert sent == got
+            stream = await target.open_port(ref(stack.netstack), udp_port, protocol="udp")
+            payloads = [f"datagram {i}".encode() * (i + 1) for i in range(UDP_DATAGRAMS)]
+            decoder, replies = DatagramDecoder(), []
+            try:
+                async with asyncio.timeout(TRANSFER_SECONDS):
+                    for data in payloads:
+                        await stream.send(encode_datagram(data))
+                        while not (batch := decoder.feed(await stream.receive())):
+                            pass
+                        replies += batch
+            finally:
+                await stream.aclose()
+            assert replies == payloads
+        finally:
+            await target.aclose()
+            await client.close()
+    finally:
+        if second is not None:
+            stop_process(second.proc)
+        for proc in (echo, agent):
+            proc.terminate()
+            proc.wait(STOP_GRACE_SECONDS)
+        if echo.stdout is not None:
+            echo.stdout.close()
+    log = agent_log.read_text()
+    assert f"port={stack.netstack.port} " in log and "protocol=tcp" in log, log
+    assert f"port={udp_port} " in log and "protocol=udp" in log, log

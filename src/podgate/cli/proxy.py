@@ -47,6 +47,18 @@ from podgate.streaming.tokenserver import InsecureAddressError, check_address
 @click.option("--stream-address", default=None, help="Streaming server address [127.0.0.1].")
 @click.option("--stream-port", type=int, default=None, help="Streaming server port; 0 = any.")
 @click.option("--stream-socket", default=None, help="Streaming server on a unix socket instead.")
+@click.option(
+    "--agent-socket",
+    default=None,
+    help="podgate's sandbox agent socket, {sandbox_id} replaced: pods that have one "
+    "port-forward through it (TCP and UDP).",
+)
+@click.option(
+    "--agent-dialback",
+    default=None,
+    help="Unix socket prefix the agents dial back to (their --host hvsock://PREFIX) "
+    "[default: /run/podgate/agent-dialback].",
+)
 @click.option("--log-format", type=click.Choice(["text", "json"]), default="json")
 @click.option("-v", "--verbose", is_flag=True)
 def proxy(
@@ -60,6 +72,8 @@ def proxy(
     stream_address: str | None,
     stream_port: int | None,
     stream_socket: str | None,
+    agent_socket: str | None,
+    agent_dialback: str | None,
     log_format: str,
     verbose: bool,
 ) -> None:
@@ -79,6 +93,8 @@ def proxy(
             stream_address=stream_address,
             stream_port=stream_port,
             stream_socket=stream_socket,
+            agent_socket=agent_socket,
+            agent_dialback=agent_dialback,
         )
         if not config.listen:
             raise ConfigError("no --listen socket (or `listen` in the config file)")

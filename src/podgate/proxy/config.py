@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_UPSTREAM = "unix:///run/containerd/containerd.sock"
+DEFAULT_AGENT_DIALBACK = "/run/podgate/agent-dialback"
 
 
 class ConfigError(ValueError):
@@ -68,6 +69,10 @@ class ProxyConfig:
     stream_address: str = "127.0.0.1"
     stream_port: int = 0
     stream_socket: str = ""  # a unix socket instead of TCP
+    # podgate's sandbox agent: its ttrpc socket ({sandbox_id} replaced) and the unix socket
+    # prefix it dials back to (`hvsock://PREFIX`); pods without one use the exec forwarder.
+    agent_socket: str = ""
+    agent_dialback: str = DEFAULT_AGENT_DIALBACK
 
 
 def upstream_socket(upstream: str) -> str:
@@ -84,7 +89,8 @@ def upstream_socket(upstream: str) -> str:
     return path
 
 
-_KEYS = frozenset({"listen", "upstream", "exec_via_proxy", "select", "streaming"})
+_KEYS = frozenset({"listen", "upstream", "exec_via_proxy", "select", "streaming", "agent"})
+_AGENT_KEYS = frozenset({"socket", "dialback"})
 _SELECT_KEYS = frozenset({"all", "runtime_handlers", "annotations"})
 _STREAMING_KEYS = frozenset({"address", "port", "socket"})
 
@@ -125,6 +131,7 @@ def parse_config(data: Mapping[str, Any]) -> ProxyConfig:
             for a in _strings(select.get("annotations", []), "select.annotations")
         ),
     )
+    agent = _table(_typed(top.get("agent", {}), dict, "agent"), "agent", _AGENT_KEYS)
     port = _typed(streaming.get("port", 0), int, "streaming.port")
     if not 0 <= port < 65536:
         raise ConfigError(f"streaming.port {port} is out of range")
@@ -136,6 +143,8 @@ def parse_config(data: Mapping[str, Any]) -> ProxyConfig:
         stream_address=_typed(streaming.get("address", "127.0.0.1"), str, "streaming.address"),
         stream_port=port,
         stream_socket=_typed(streaming.get("socket", ""), str, "streaming.socket"),
+        agent_socket=_typed(agent.get("socket", ""), str, "agent.socket"),
+        agent_dialback=_typed(agent.get("dialback", DEFAULT_AGENT_DIALBACK), str, "agent.dialback"),
     )
 
 
@@ -159,6 +168,8 @@ def with_flags(
     stream_address: str | None = None,
     stream_port: int | None = None,
     stream_socket: str | None = None,
+    agent_socket: str | None = None,
+    agent_dialback: str | None = None,
 ) -> ProxyConfig:
     """Flags add to the file's selection and override its scalars."""
     select = Selector(
@@ -175,4 +186,6 @@ def with_flags(
         stream_address=stream_address or config.stream_address,
         stream_port=config.stream_port if stream_port is None else stream_port,
         stream_socket=stream_socket or config.stream_socket,
+        agent_socket=agent_socket or config.agent_socket,
+        agent_dialback=agent_dialback or config.agent_dialback,
     )

@@ -3,8 +3,9 @@ podgate's own streaming server for the streams it answers itself.
 
 Everything passes through as bytes (passthrough.py) except:
 - PortForward for a selected sandbox: a URL on podgate's streaming server, whose target
-  reaches the port through the upstream's Exec (a forwarder process in the pod's container),
-  so it works where the runtime's own dial into the pod's network namespace cannot.
+  reaches the port through the sandbox's agent where one is configured, else through the
+  upstream's Exec (a forwarder process in the pod's container), so it works where the
+  runtime's own dial into the pod's network namespace cannot.
 - Exec and Attach with `exec_via_proxy`: the upstream's call is made, and its URL is wrapped in
   one of ours that relays to it (so the session is audited here).
 - RemovePodSandbox: passed through, then the sandbox is forgotten.
@@ -26,10 +27,12 @@ from podgate.node.cri_client import CriClient
 from podgate.node.upstream import CriTarget
 from podgate.proto import remotecommand as rc
 from podgate.proto.upgrade import StreamKind
+from podgate.proxy.agentforward import AgentForwarder
 from podgate.proxy.config import ProxyConfig, upstream_socket
 from podgate.proxy.passthrough import MAX_MESSAGE_BYTES, PassThrough, upstream_channel
 from podgate.proxy.relay import RelayTarget
 from podgate.proxy.sandboxes import SandboxCache
+from podgate.proxy.target import ProxyTarget
 from podgate.streaming.target import PodRef
 from podgate.streaming.tokens import TooManyRequestsError
 from podgate.streaming.tokenserver import PendingStream, StreamingServer
@@ -54,7 +57,10 @@ class CriProxy:
         self.sandboxes = SandboxCache(self.channel, config.select)
         # The exec forwarder's calls share the reconnecting channel.
         self.client = CriClient(socket_path, channel=self.channel)
-        self.target = CriTarget(self.client, via_exec=True)
+        agent = None
+        if config.agent_socket:
+            agent = AgentForwarder(config.agent_socket, config.agent_dialback)
+        self.target = ProxyTarget(CriTarget(self.client, via_exec=True), agent)
         self.streaming = StreamingServer(
             self.target,
             host=config.stream_address,

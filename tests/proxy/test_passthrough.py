@@ -371,3 +371,11 @@ async def test_attach_via_proxy_wraps_the_upstream_url(
     finally:
         await proxy.stop()
     assert pb.AttachResponse.FromString(got).url.startswith(proxy.streaming.base_url + "/attach/")
+
+
+async def test_stopping_removes_the_socket(tmp_path: Path, upstream: FakeUpstream) -> None:
+    proxy = await start_proxy(tmp_path, upstream)
+    assert Path(proxy.config.listen).exists()
+    assert Path(proxy.config.listen).stat().st_mode & 0o777 == 0o660
+    await proxy.stop()
+    assert not Path(proxy.config.listen).exists()

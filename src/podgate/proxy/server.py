@@ -103,6 +103,9 @@ class CriProxy:
         if self._server is not None:
             await self._server.stop(STOP_GRACE_SECONDS)
             self._server = None
+            # The kubelet then sees "no such file", not a socket nobody answers.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.config.listen)
         await self.streaming.stop()
         await self.target.aclose()
         await self.client.close()

@@ -278,7 +278,13 @@ async def test_containerd_cannot_reach_the_netstack_pod_but_reaches_the_plain_on
     # containerd's own text (its port-forward dialled in the pod's namespace, as root).
     text = str(refused.value)
     assert f"error forwarding port {stack.netstack.port} to pod {stack.netstack.sandbox_id}" in text
-    assert f"dial tcp4 127.0.0.1:{stack.netstack.port}: connect: connection refused" in text
+    # runtime-and-nri.md §1.2: the dial ran in the pod's netns, v4 then v6, both failed.
+    assert 'failed to execute portforward in network namespace "' in text
+    port, sandbox = stack.netstack.port, stack.netstack.sandbox_id
+    assert (
+        f'failed to connect to localhost:{port} inside namespace "{sandbox}", '
+        f"IPv4: dial tcp4 127.0.0.1:{port}: connect: connection refused IPv6 "
+    ) in text
 
 
 async def test_the_proxy_forwards_256_mib_into_the_netstack_pod(stack: ProxyStack) -> None:

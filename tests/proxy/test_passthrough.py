@@ -36,8 +36,16 @@ async def upstream(tmp_path: Path) -> AsyncIterator[FakeUpstream]:
     await fake.stop()
 
 
-async def start_proxy(tmp_path: Path, upstream: FakeUpstream, **kw: Any) -> CriProxy:
-    config = ProxyConfig(listen=str(tmp_path / "proxy.sock"), upstream=upstream.socket, **kw)
+@pytest.fixture(params=["relay", "grpc"])
+def plane(request: pytest.FixtureRequest) -> str:
+    """Every test runs on both data planes."""
+    return str(request.param)
+
+
+async def start_proxy(tmp_path: Path, upstream: FakeUpstream, plane: str, **kw: Any) -> CriProxy:
+    config = ProxyConfig(
+        listen=str(tmp_path / "proxy.sock"), upstream=upstream.socket, data_plane=plane, **kw
+    )
     proxy = CriProxy(config)
     await proxy.start()
     return proxy
@@ -45,11 +53,12 @@ async def start_proxy(tmp_path: Path, upstream: FakeUpstream, **kw: Any) -> CriP
 
 @pytest.fixture
 async def proxied(
-    tmp_path: Path, upstream: FakeUpstream
+    tmp_path: Path, upstream: FakeUpstream, plane: str
 ) -> AsyncIterator[tuple[CriProxy, grpc.aio.Channel]]:
     proxy = await start_proxy(
         tmp_path,
         upstream,
+        plane,
         select=Selector(
             runtime_handlers=frozenset({"kata"}), annotations=(AnnotationMatch("fwd", "exec"),)
         ),
@@ -222,7 +231,9 @@ async def test_port_forward_is_answered_for_selected_pods_only(
     response = await stub(pb.PortForwardRequest(pod_sandbox_id="s1"), timeout=CALL_SECONDS)
     if selected:
         assert response.url.startswith(proxy.streaming.base_url + "/portforward/")
-        assert upstream.of("PortForward") == []
+        # The gRPC plane answers itself; the relay has the runtime answer and swaps the URL.
+        expected_upstream_calls = 1 if proxy.config.data_plane == "relay" else 0
+        assert len(upstream.of("PortForward")) == expected_upstream_calls
     else:
         assert response.url == "http://127.0.0.1:1/portforward/UPSTREAM"
         assert len(upstream.of("PortForward")) == 1
@@ -263,7 +274,7 @@ async def test_a_sandbox_the_upstream_does_not_know_gets_the_upstreams_answer(
 
 
 async def test_exec_via_proxy_wraps_the_upstream_url_and_keeps_unknown_fields(
-    tmp_path: Path, upstream: FakeUpstream
+    tmp_path: Path, upstream: FakeUpstream, plane: str
 ) -> None:
     response = pb.ExecResponse(url="http://127.0.0.1:1/exec/UP").SerializeToString()
 
@@ -271,7 +282,7 @@ async def test_exec_via_proxy_wraps_the_upstream_url_and_keeps_unknown_fields(
         return response + UNKNOWN_FIELD
 
     upstream.answers["Exec"] = answer
-    proxy = await start_proxy(tmp_path, upstream, exec_via_proxy=True)
+    proxy = await start_proxy(tmp_path, upstream, plane, exec_via_proxy=True)
     try:
         async with grpc.aio.insecure_channel(f"unix://{proxy.config.listen}") as channel:
             request = pb.ExecRequest(container_id="c1", cmd=["ls"], stdout=True)
@@ -318,7 +329,7 @@ async def test_a_malformed_port_forward_request_goes_to_the_upstream_as_is(
 
 
 async def test_an_exec_answer_the_proxy_cannot_read_is_passed_on_unchanged(
-    tmp_path: Path, upstream: FakeUpstream
+    tmp_path: Path, upstream: FakeUpstream, plane: str
 ) -> None:
     odd = b"\x0a\xff\xff"
 
@@ -326,7 +337,7 @@ async def test_an_exec_answer_the_proxy_cannot_read_is_passed_on_unchanged(
         return odd
 
     upstream.answers["Exec"] = answer
-    proxy = await start_proxy(tmp_path, upstream, exec_via_proxy=True)
+    proxy = await start_proxy(tmp_path, upstream, plane, exec_via_proxy=True)
     try:
         async with grpc.aio.insecure_channel(f"unix://{proxy.config.listen}") as channel:
             got = await raw(channel, "Exec")(b"\n\x02c1", timeout=CALL_SECONDS)
@@ -335,12 +346,15 @@ async def test_an_exec_answer_the_proxy_cannot_read_is_passed_on_unchanged(
     assert got == odd
 
 
-async def test_streaming_urls_on_a_unix_socket(tmp_path: Path, upstream: FakeUpstream) -> None:
+async def test_streaming_urls_on_a_unix_socket(
+    tmp_path: Path, upstream: FakeUpstream, plane: str
+) -> None:
     upstream.answers["PodSandboxStatus"] = sandbox_answer("kata", {})
     stream_socket = tmp_path / "stream.sock"
     proxy = await start_proxy(
         tmp_path,
         upstream,
+        plane,
         select=Selector(all=True),
         stream_socket=str(stream_socket),
     )
@@ -357,13 +371,13 @@ async def test_streaming_urls_on_a_unix_socket(tmp_path: Path, upstream: FakeUps
 
 
 async def test_attach_via_proxy_wraps_the_upstream_url(
-    tmp_path: Path, upstream: FakeUpstream
+    tmp_path: Path, upstream: FakeUpstream, plane: str
 ) -> None:
     async def answer(req: bytes, context: Any) -> bytes:
         return pb.AttachResponse(url="http://127.0.0.1:1/attach/UP").SerializeToString()
 
     upstream.answers["Attach"] = answer
-    proxy = await start_proxy(tmp_path, upstream, exec_via_proxy=True)
+    proxy = await start_proxy(tmp_path, upstream, plane, exec_via_proxy=True)
     try:
         async with grpc.aio.insecure_channel(f"unix://{proxy.config.listen}") as channel:
             request = pb.AttachRequest(container_id="c1", stdin=True, stdout=True)
@@ -373,8 +387,10 @@ async def test_attach_via_proxy_wraps_the_upstream_url(
     assert pb.AttachResponse.FromString(got).url.startswith(proxy.streaming.base_url + "/attach/")
 
 
-async def test_stopping_removes_the_socket(tmp_path: Path, upstream: FakeUpstream) -> None:
-    proxy = await start_proxy(tmp_path, upstream)
+async def test_stopping_removes_the_socket(
+    tmp_path: Path, upstream: FakeUpstream, plane: str
+) -> None:
+    proxy = await start_proxy(tmp_path, upstream, plane)
     assert Path(proxy.config.listen).exists()
     assert Path(proxy.config.listen).stat().st_mode & 0o777 == 0o660
     await proxy.stop()

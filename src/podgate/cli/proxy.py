@@ -59,6 +59,13 @@ from podgate.streaming.tokenserver import InsecureAddressError, check_address
     help="Unix socket prefix the agents dial back to (their --host hvsock://PREFIX) "
     "[default: /run/podgate/agent-dialback].",
 )
+@click.option(
+    "--data-plane",
+    type=click.Choice(["relay", "grpc"]),
+    default=None,
+    help="relay: HTTP/2 frames passed on, only intercepted answers rewritten [default]; "
+    "grpc: every call through a gRPC server and client.",
+)
 @click.option("--log-format", type=click.Choice(["text", "json"]), default="json")
 @click.option("-v", "--verbose", is_flag=True)
 def proxy(
@@ -74,6 +81,7 @@ def proxy(
     stream_socket: str | None,
     agent_socket: str | None,
     agent_dialback: str | None,
+    data_plane: str | None,
     log_format: str,
     verbose: bool,
 ) -> None:
@@ -95,6 +103,7 @@ def proxy(
             stream_socket=stream_socket,
             agent_socket=agent_socket,
             agent_dialback=agent_dialback,
+            data_plane=data_plane,
         )
         if not config.listen:
             raise ConfigError("no --listen socket (or `listen` in the config file)")

@@ -73,6 +73,9 @@ class ProxyConfig:
     # prefix it dials back to (`hvsock://PREFIX`); pods without one use the exec forwarder.
     agent_socket: str = ""
     agent_dialback: str = DEFAULT_AGENT_DIALBACK
+    # "relay": HTTP/2 frames relayed, only intercepted answers rewritten (fast); "grpc": a gRPC
+    # server and client in the proxy (every call decoded into gRPC calls).
+    data_plane: str = "relay"
 
 
 def upstream_socket(upstream: str) -> str:
@@ -89,7 +92,10 @@ def upstream_socket(upstream: str) -> str:
     return path
 
 
-_KEYS = frozenset({"listen", "upstream", "exec_via_proxy", "select", "streaming", "agent"})
+_KEYS = frozenset(
+    {"listen", "upstream", "exec_via_proxy", "select", "streaming", "agent", "data_plane"}
+)
+DATA_PLANES = ("relay", "grpc")
 _AGENT_KEYS = frozenset({"socket", "dialback"})
 _SELECT_KEYS = frozenset({"all", "runtime_handlers", "annotations"})
 _STREAMING_KEYS = frozenset({"address", "port", "socket"})
@@ -135,7 +141,11 @@ def parse_config(data: Mapping[str, Any]) -> ProxyConfig:
     port = _typed(streaming.get("port", 0), int, "streaming.port")
     if not 0 <= port < 65536:
         raise ConfigError(f"streaming.port {port} is out of range")
+    data_plane = _typed(top.get("data_plane", "relay"), str, "data_plane")
+    if data_plane not in DATA_PLANES:
+        raise ConfigError(f"data_plane must be one of {', '.join(DATA_PLANES)}")
     return ProxyConfig(
+        data_plane=data_plane,
         listen=_typed(top.get("listen", ""), str, "listen"),
         upstream=_typed(top.get("upstream", DEFAULT_UPSTREAM), str, "upstream"),
         select=selector,
@@ -170,6 +180,7 @@ def with_flags(
     stream_socket: str | None = None,
     agent_socket: str | None = None,
     agent_dialback: str | None = None,
+    data_plane: str | None = None,
 ) -> ProxyConfig:
     """Flags add to the file's selection and override its scalars."""
     select = Selector(
@@ -188,4 +199,5 @@ def with_flags(
         stream_socket=stream_socket or config.stream_socket,
         agent_socket=agent_socket or config.agent_socket,
         agent_dialback=agent_dialback or config.agent_dialback,
+        data_plane=data_plane or config.data_plane,
     )

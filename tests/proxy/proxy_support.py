@@ -98,7 +98,7 @@ def start_process(
     return process, match
 
 
-def start_proxy(work: Path, ctrd: Containerd, *extra: str) -> Process:
+def start_proxy(work: Path, ctrd: Containerd, *extra: str, plane: str = "relay") -> Process:
     process, _ = start_process(
         [
             "proxy",
@@ -108,6 +108,7 @@ def start_proxy(work: Path, ctrd: Containerd, *extra: str) -> Process:
             f"unix://{ctrd.socket}",
             "--select-annotation",
             f"{SELECT_ANNOTATION}={SELECT_VALUE}",
+            *("--data-plane", plane),
             *extra,
         ],
         work / "proxy.log",
@@ -132,6 +133,7 @@ class ProxyStack:
     proxy: Process
     plain: Pod
     netstack: Pod
+    plane: str = "relay"
 
     @property
     def proxy_socket(self) -> Path:
@@ -139,7 +141,7 @@ class ProxyStack:
 
     def restart_proxy(self) -> None:
         stop_process(self.proxy.proc)
-        self.proxy = start_proxy(self.work, self.ctrd)
+        self.proxy = start_proxy(self.work, self.ctrd, plane=self.plane)
 
 
 def echo_command(port: int) -> list[str]:
@@ -290,7 +292,7 @@ def required_tools() -> None:
 
 
 @contextlib.contextmanager
-def proxy_stack() -> Iterator[ProxyStack]:
+def proxy_stack(plane: str = "relay") -> Iterator[ProxyStack]:
     required_tools()
     tools, why = missing_tools()
     if tools is None:
@@ -333,8 +335,8 @@ def proxy_stack() -> Iterator[ProxyStack]:
                 ["iptables", "-w", "-S", "OUTPUT"], capture_output=True, text=True, check=False
             )
             assert tag not in host_rules.stdout
-            proxy = start_proxy(work, ctrd)
-            stack = ProxyStack(ctrd, work, proxy, plain, netstack)
+            proxy = start_proxy(work, ctrd, plane=plane)
+            stack = ProxyStack(ctrd, work, proxy, plain, netstack, plane)
             try:
                 yield stack
             finally:

@@ -69,9 +69,10 @@ RECOVER_SECONDS = 30.0
 IN_FLIGHT_SLEEP_SECONDS = 20
 
 
-@pytest.fixture(scope="module")
-def stack() -> Iterator[ProxyStack]:
-    with proxy_stack() as running:
+@pytest.fixture(scope="module", params=["relay", "grpc"])
+def stack(request: pytest.FixtureRequest) -> Iterator[ProxyStack]:
+    """containerd, two pods and the proxy, once per data plane."""
+    with proxy_stack(str(request.param)) as running:
         yield running
 
 
@@ -360,7 +361,7 @@ def test_kubectl_port_forward_through_podgate_node_on_the_proxy(
 async def test_exec_via_proxy_relays_and_audits(stack: ProxyStack) -> None:
     work = stack.work / "execproxy"
     work.mkdir()
-    second = start_proxy(work, stack.ctrd, "--exec-via-proxy")
+    second = start_proxy(work, stack.ctrd, "--exec-via-proxy", plane=stack.plane)
     client = CriClient(str(work / "proxy.sock"))
     target = CriTarget(client)
     try:
@@ -549,6 +550,7 @@ async def test_the_sandbox_agent_forwards_tcp_and_udp_through_the_proxy(
             stack.ctrd,
             *("--agent-socket", f"{work}/{{sandbox_id}}.sock"),
             *("--agent-dialback", f"{work}/db"),
+            plane=stack.plane,
         )
         client = CriClient(str(work / "proxy.sock"))
         target = CriTarget(client)

@@ -180,8 +180,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--proxy-size",
         type=parse_size,
-        default=bench_proxy.DEFAULT_SIZE,
-        help="bytes each way per proxy port-forward run (default 64M)",
+        default=None,
+        help="bytes each way per proxy port-forward run (default 64M, at most --size)",
     )
     parser.add_argument(
         "--json",
@@ -265,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
                 options, progress, args.forward_paths, args.udp_datagrams
             )
         if with_proxy:
-            proxy = bench_proxy.run_proxy(args.proxy_calls, args.proxy_size, options.runs, progress)
+            proxy_size = args.proxy_size or min(bench_proxy.DEFAULT_SIZE, options.size)
+            proxy = bench_proxy.run_proxy(args.proxy_calls, proxy_size, options.runs, progress)
     except ChildError as exc:
         err.print(f"[red]bench failed: {exc}[/red]")
         return 1

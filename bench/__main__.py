@@ -174,8 +174,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--proxy-calls",
         type=int,
-        default=bench_proxy.DEFAULT_CALLS,
-        help=f"unary calls per method and path (default {bench_proxy.DEFAULT_CALLS})",
+        default=None,
+        help=f"unary calls per method and path (default {bench_proxy.DEFAULT_CALLS} at --size "
+        f"1G, proportionally fewer for smaller sizes, at least {bench_proxy.MIN_CALLS})",
     )
     parser.add_argument(
         "--proxy-size",
@@ -266,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         if with_proxy:
             proxy_size = args.proxy_size or min(bench_proxy.DEFAULT_SIZE, options.size)
-            proxy = bench_proxy.run_proxy(args.proxy_calls, proxy_size, options.runs, progress)
+            proxy_calls = args.proxy_calls or bench_proxy.default_calls(options.size)
+            proxy = bench_proxy.run_proxy(proxy_calls, proxy_size, options.runs, progress)
     except ChildError as exc:
         err.print(f"[red]bench failed: {exc}[/red]")
         return 1

@@ -36,8 +36,10 @@ REPO = Path(__file__).resolve().parents[1]
 # The private containerd and the pod helpers are the tests' (one implementation of each).
 TEST_HELPERS = ("tests", "tests/e2e", "tests/proxy")
 
-# Calls per path for the latency figures, and one echo's chunk.
+# Calls per path for the latency figures (at --size 1G; fewer for a quick run, never fewer than
+# MIN_CALLS), and one echo's chunk.
 DEFAULT_CALLS = 2000
+MIN_CALLS = 100
 DEFAULT_SIZE = 64 * 1024 * 1024
 CHUNK_BYTES = 256 * 1024
 # Calls made before measuring (connections, first-call paths warmed).
@@ -51,6 +53,10 @@ ANNOTATION = ("podgate.bench/forward", "exec")
 DATA_PLANES = ("relay", "grpc")
 
 Progress = Callable[[str], None]
+
+
+def default_calls(size: int) -> int:
+    return max(MIN_CALLS, int(DEFAULT_CALLS * min(1.0, size / (1 << 30))))
 
 
 def percentile(samples: list[float], q: float) -> float:

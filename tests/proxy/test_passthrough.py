@@ -395,3 +395,21 @@ async def test_stopping_removes_the_socket(
     assert Path(proxy.config.listen).stat().st_mode & 0o777 == 0o660
     await proxy.stop()
     assert not Path(proxy.config.listen).exists()
+
+
+async def test_a_client_that_is_not_http2_is_dropped_and_others_go_on(
+    tmp_path: Path, upstream: FakeUpstream
+) -> None:
+    proxy = await start_proxy(tmp_path, upstream, "relay")
+    try:
+        reader, writer = await asyncio.open_unix_connection(proxy.config.listen)
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        await writer.drain()
+        async with asyncio.timeout(CALL_SECONDS):
+            assert await reader.read() == b""  # closed, nothing relayed back
+        writer.close()
+        async with grpc.aio.insecure_channel(f"unix://{proxy.config.listen}") as channel:
+            assert await raw(channel, "Version")(b"", timeout=CALL_SECONDS) == b""
+    finally:
+        await proxy.stop()
+    assert [c.method for c in upstream.calls] == [f"{RT}/Version"]

@@ -64,8 +64,10 @@ class Relay:
         upstream: SocketStream,
         watched: frozenset[str],
         intercept: Intercept,
+        first: bytes = b"",
     ) -> None:
         self.client = client
+        self.first = first  # what the client sent before the runtime's connection was made
         self.upstream = upstream
         self.watched = watched
         self.intercept = intercept
@@ -93,14 +95,16 @@ class Relay:
 
     async def _client_to_upstream(self) -> None:
         splitter = h2.FrameSplitter(preface=True)
+        data = self.first
         try:
-            while data := await self.client.receive(RECEIVE_BYTES):
+            while data:
                 preface, frames = splitter.feed(data)
                 out = bytearray(preface)
                 for frame in frames:
                     out += self._from_client(frame)
                 if out:
                     await self.upstream.send(out)
+                data = await self.client.receive(RECEIVE_BYTES)
         except (StreamError, ProtocolError, hpack.HPACKError) as exc:
             log.debug("relay: client side ended: %s", exc)
 
@@ -228,7 +232,20 @@ class Relay:
 async def serve_relay(
     client: SocketStream, upstream_path: str, watched: frozenset[str], intercept: Intercept
 ) -> None:
-    """Relay one kubelet connection to a new connection to the runtime's socket."""
+    """Relay one kubelet connection to a new connection to the runtime's socket, once the
+    client has shown it speaks HTTP/2 (its connection preface)."""
+    first = bytearray()
+    try:
+        while len(first) < len(h2.PREFACE):
+            chunk = await client.receive(RECEIVE_BYTES)
+            first += chunk
+            if not chunk or not h2.PREFACE.startswith(bytes(first[: len(h2.PREFACE)])):
+                log.info("relay: a client without the HTTP/2 preface was dropped")
+                await client.aclose()
+                return
+    except StreamError:
+        await client.aclose()
+        return
     try:
         upstream = await SocketStream.connect_unix(upstream_path)
     except (OSError, StreamError) as exc:
@@ -237,7 +254,7 @@ async def serve_relay(
         await client.aclose()
         return
     try:
-        await Relay(client, upstream, watched, intercept).run()
+        await Relay(client, upstream, watched, intercept, bytes(first)).run()
     finally:
         with contextlib.suppress(StreamError, OSError):
             await upstream.aclose()

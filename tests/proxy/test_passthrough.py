@@ -413,3 +413,49 @@ async def test_a_client_that_is_not_http2_is_dropped_and_others_go_on(
     finally:
         await proxy.stop()
     assert [c.method for c in upstream.calls] == [f"{RT}/Version"]
+
+
+async def test_many_concurrent_calls_on_one_connection_each_get_their_own_answer(
+    upstream: FakeUpstream, proxied: tuple[CriProxy, grpc.aio.Channel]
+) -> None:
+    """Intercepted and plain calls interleaved on one HTTP/2 connection (the kubelet's way):
+    every answer is the one for its own request."""
+    upstream.answers["PodSandboxStatus"] = sandbox_answer("kata", {})
+
+    async def echo(req: bytes, context: Any) -> bytes:
+        await asyncio.sleep(0.001 * (len(req) % 7))  # answers come back out of order
+        return req[::-1]
+
+    upstream.answers["FutureMethod"] = echo
+    upstream.answers["PortForward"] = upstream_url
+    proxy, channel = proxied
+    forward = channel.unary_unary(
+        f"{RT}/PortForward",
+        request_serializer=pb.PortForwardRequest.SerializeToString,
+        response_deserializer=pb.PortForwardResponse.FromString,
+    )
+    plain = raw(channel, "FutureMethod")
+    count = 100
+
+    async def one_plain(i: int) -> None:
+        body = f"request {i} ".encode() * (i % 13 + 1)
+        assert await plain(body, timeout=CALL_SECONDS) == body[::-1]
+
+    async def one_forward(i: int) -> str:
+        request = pb.PortForwardRequest(pod_sandbox_id=f"s{i % 5}", port=[1000 + i])
+        response = await forward(request, timeout=CALL_SECONDS)
+        return str(response.url)
+
+    async with asyncio.TaskGroup() as tasks:
+        plains = [tasks.create_task(one_plain(i)) for i in range(count)]
+        forwards = [tasks.create_task(one_forward(i)) for i in range(count)]
+    assert all(p.done() for p in plains)
+    urls = [f.result() for f in forwards]
+    assert all(u.startswith(proxy.streaming.base_url + "/portforward/") for u in urls)
+    assert len(set(urls)) == count  # one token each
+    # Each URL's token stands for its own call's sandbox and port.
+    now = proxy.streaming.clock()
+    for i, url in enumerate(urls):
+        pending = proxy.streaming.tokens.consume(url.rsplit("/", 1)[1], now)
+        assert pending is not None
+        assert (pending.pod.sandbox_id, pending.ports) == (f"s{i % 5}", (1000 + i,))

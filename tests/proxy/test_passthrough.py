@@ -5,6 +5,8 @@ away and coming back, and which PortForward calls the proxy answers itself."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -459,3 +461,19 @@ async def test_many_concurrent_calls_on_one_connection_each_get_their_own_answer
         pending = proxy.streaming.tokens.consume(url.rsplit("/", 1)[1], now)
         assert pending is not None
         assert (pending.pod.sandbox_id, pending.ports) == (f"s{i % 5}", (1000 + i,))
+
+
+async def test_large_messages_pass_whole(
+    upstream: FakeUpstream, proxied: tuple[CriProxy, grpc.aio.Channel]
+) -> None:
+    """Messages of several flow-control windows (HTTP/2's initial window is 64 KiB) each way."""
+    big_answer = os.urandom(3 * 1024 * 1024)
+
+    async def answer(req: bytes, context: Any) -> bytes:
+        return hashlib.sha256(req).digest() + big_answer
+
+    upstream.answers["ListContainers"] = answer
+    _, channel = proxied
+    request = os.urandom(2 * 1024 * 1024)
+    got = await raw(channel, "ListContainers")(request, timeout=CALL_SECONDS)
+    assert got == hashlib.sha256(request).digest() + big_answer

@@ -86,7 +86,8 @@ def proxy(
     verbose: bool,
 ) -> None:
     """Serve CRI on --listen, passing every call through to --upstream, and answer PortForward
-    for the selected pods through the runtime's Exec (a forwarder in the pod)."""
+    for the selected pods through their sandbox agent or the runtime's Exec (a forwarder in
+    the pod)."""
     setup_logging(log_format, verbose)
     try:
         config = load_config(config_file) if config_file else ProxyConfig()

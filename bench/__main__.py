@@ -25,6 +25,7 @@ from bench import authflood as bench_authflood
 from bench import forward as bench_forward
 from bench import gateway as bench_gateway
 from bench import images as bench_images
+from bench import proxy as bench_proxy
 from bench import runtime as bench_runtime
 from bench import startup as bench_startup
 from bench.common import LOOP_CHOICES, format_size, parse_size
@@ -199,6 +200,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"length of the anonymous flood (default {bench_authflood.FLOOD_SECONDS:g})",
     )
     parser.add_argument(
+        "--proxy",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also measure `podgate proxy` in front of a private containerd: unary call latency "
+        "and port-forward throughput against containerd's own (default: on as root)",
+    )
+    parser.add_argument(
+        "--proxy-calls",
+        type=int,
+        default=None,
+        help=f"unary calls per method and path (default {bench_proxy.DEFAULT_CALLS} at --size "
+        f"1G, proportionally fewer for smaller sizes, at least {bench_proxy.MIN_CALLS})",
+    )
+    parser.add_argument(
+        "--proxy-size",
+        type=parse_size,
+        default=None,
+        help="bytes each way per proxy port-forward run (default 64M, at most --size)",
+    )
+    parser.add_argument(
         "--json",
         type=Path,
         default=RESULTS_DIR / "latest.json",
@@ -270,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     images = None
     with_authflood = args.authflood if args.authflood is not None else not args.skip_kubectl
     authflood = None
+    with_proxy = args.proxy if args.proxy is not None else os.geteuid() == 0
+    proxy = None
     try:
         if args.startup_runs > 0:
             startup = bench_startup.run_startup(args.startup_runs, progress)
@@ -294,6 +317,10 @@ def main(argv: list[str] | None = None) -> int:
             authflood = bench_authflood.run_authflood(
                 args.kubectl, progress, args.authflood_seconds
             )
+        if with_proxy:
+            proxy_size = args.proxy_size or min(bench_proxy.DEFAULT_SIZE, options.size)
+            proxy_calls = args.proxy_calls or bench_proxy.default_calls(options.size)
+            proxy = bench_proxy.run_proxy(proxy_calls, proxy_size, options.runs, progress)
     except ChildError as exc:
         err.print(f"[red]bench failed: {exc}[/red]")
         return 1
@@ -313,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
         data["images"] = images
     if authflood is not None:
         data["authflood"] = authflood
+    if proxy is not None:
+        data["proxy"] = proxy
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(data, indent=1) + "\n")
     md_path = args.markdown or args.json.with_suffix(".md")
@@ -324,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         + ("\n" + bench_startup.markdown(startup) if startup is not None else "")
         + ("\n" + bench_images.markdown(images) if images is not None else "")
         + ("\n" + bench_authflood.markdown(authflood) if authflood is not None else "")
+        + ("\n" + bench_proxy.markdown(proxy) if proxy is not None else "")
     )
     print_report(data, console)
     if runtime is not None:
@@ -338,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
         bench_images.print_report(images, console)
     if authflood is not None:
         bench_authflood.print_report(authflood, console)
+    if proxy is not None:
+        bench_proxy.print_report(proxy, console)
     console.print(f"results: {args.json} and {md_path}")
     failed = [s for s in data["summary"]["throughput"] + data["summary"]["conns"] if s["errors"]]
     if gateway is not None and bench_gateway.failed(gateway):
@@ -347,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     if images is not None and bench_images.failed(images):
         return 1
     if authflood is not None and bench_authflood.failed(authflood):
+        return 1
+    if proxy is not None and bench_proxy.failed(proxy):
         return 1
     return 1 if failed or (runtime is not None and bench_runtime.failed(runtime)) else 0
 

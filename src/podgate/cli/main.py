@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "agent": ("podgate.cli.agent", "agent", "The in-sandbox agent and one-shot forwarder."),
     "demo": ("podgate.cli.demo", "demo", "Serve an in-memory demo pod API (no runtime)."),
     "images": ("podgate.cli.images", "images", "Pull, list, import and remove images."),
+    "proxy": ("podgate.cli.proxy", "proxy", "A CRI proxy in front of containerd or CRI-O."),
 }
 
 

@@ -149,11 +149,14 @@ class CriClient:
         *,
         timeout: float = CALL_TIMEOUT_SECONDS,
         clock: Callable[[], float] = time.monotonic,
+        channel: grpc.aio.Channel | None = None,
     ) -> None:
+        """`channel`: one to the runtime to share (the caller closes it), else one of its own."""
         self.socket_path = socket_path
         self.timeout = timeout
         self._clock = clock
-        self._channel = grpc.aio.insecure_channel(
+        self._owns_channel = channel is None
+        self._channel = channel or grpc.aio.insecure_channel(
             f"unix://{os.path.abspath(socket_path)}",
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -390,7 +393,8 @@ class CriClient:
         return response.status.state == pb.CONTAINER_RUNNING
 
     async def close(self) -> None:
-        await self._channel.close()
+        if self._owns_channel:
+            await self._channel.close()
 
 
 class CriPodSource:

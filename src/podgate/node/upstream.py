@@ -75,6 +75,41 @@ def _failure(result: ExecResult) -> str | None:
     return message
 
 
+async def relay_exec(
+    url: str,
+    io: ExecIO,
+    *,
+    ssl_context: ssl.SSLContext | None = None,
+    want_stderr: bool | None = None,
+) -> int:
+    """Run an exec or attach session on a runtime's one-time streaming URL with `io` as its
+    stdio; the command's exit code, or TargetError with the runtime's text.
+
+    `want_stderr`: whether to open a stderr stream (the URL's request decides; by default one
+    is opened unless there is a tty)."""
+    try:
+        endpoint, path = endpoint_from_url(url, ssl_context=ssl_context)
+        result = await exec_spdy(
+            endpoint,
+            path,
+            stdin=io.stdin,
+            stdout=io.stdout,
+            stderr=io.stderr,
+            tty=io.tty,
+            resizes=io.resizes,
+            want_stdin=io.stdin is not None,
+            want_stderr=want_stderr,
+        )
+    except UpgradeError as exc:
+        raise TargetError(f"error connecting to the runtime's streaming server: {exc}") from exc
+    except (StreamError, ProtocolError, ValueError) as exc:
+        raise TargetError(f"error streaming from the runtime: {exc}") from exc
+    message = _failure(result)
+    if message is not None:
+        raise TargetError(message)
+    return result.exit_code
+
+
 class CriTarget:
     """StreamTarget over a CRI runtime's streaming server."""
 
@@ -117,26 +152,7 @@ class CriTarget:
         return await self._run(url, io)
 
     async def _run(self, url: str, io: ExecIO) -> int:
-        try:
-            endpoint, path = endpoint_from_url(url, ssl_context=self.ssl_context)
-            result = await exec_spdy(
-                endpoint,
-                path,
-                stdin=io.stdin,
-                stdout=io.stdout,
-                stderr=io.stderr,
-                tty=io.tty,
-                resizes=io.resizes,
-                want_stdin=io.stdin is not None,
-            )
-        except UpgradeError as exc:
-            raise TargetError(f"error connecting to the runtime's streaming server: {exc}") from exc
-        except (StreamError, ProtocolError, ValueError) as exc:
-            raise TargetError(f"error streaming from the runtime: {exc}") from exc
-        message = _failure(result)
-        if message is not None:
-            raise TargetError(message)
-        return result.exit_code
+        return await relay_exec(url, io, ssl_context=self.ssl_context)
 
     # -- port-forward
 
@@ -378,4 +394,5 @@ __all__ = [
     "CriTarget",
     "UpstreamForwardError",
     "UpstreamStream",
+    "relay_exec",
 ]

@@ -1,0 +1,325 @@
+"""`podgate proxy` in front of containerd 1.6: what the proxy costs a unary CRI call, and what
+its port-forward (through containerd's Exec, for pods containerd cannot port-forward into)
+moves compared with containerd's own port-forward into a plain pod, in the same run.
+
+    python -m bench.proxy [--calls 2000] [--size 64M] [--runs 3]
+    python -m bench --proxy ...   (as a section of `make bench`)
+
+Everything runs against a private containerd (tests/e2e/containerd_support.py: its own root,
+state and socket under /tmp, a local busybox image, host-network pods), which needs root. The
+unary figures interleave direct and proxied calls one by one, so load on the machine hits both
+alike. Throughput is an echo: each byte goes to the pod and back, sha256-checked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from bench.common import format_size, parse_size
+from bench.report import REPORT_WIDTH, markdown_tables, print_tables
+
+REPO = Path(__file__).resolve().parents[1]
+# The private containerd and the pod helpers are the tests' (one implementation of each).
+TEST_HELPERS = ("tests", "tests/e2e", "tests/proxy")
+
+# Calls per path for the latency figures (at --size 1G; fewer for a quick run, never fewer than
+# MIN_CALLS), and one echo's chunk.
+DEFAULT_CALLS = 2000
+MIN_CALLS = 100
+DEFAULT_SIZE = 64 * 1024 * 1024
+CHUNK_BYTES = 256 * 1024
+# Calls made before measuring (connections, first-call paths warmed).
+WARMUP_CALLS = 50
+# One echo run may take this long (a loaded 2-core machine, two SPDY hops and a forwarder).
+RUN_TIMEOUT_SECONDS = 300.0
+# The issue's goal: the proxy adds at most this much to a unary call's median.
+GOAL_ADDED_P50_US = 100.0
+ANNOTATION = ("podgate.bench/forward", "exec")
+# Both data planes are measured; the first carries the port-forward runs.
+DATA_PLANES = ("relay", "grpc")
+
+Progress = Callable[[str], None]
+
+
+def default_calls(size: int) -> int:
+    return max(MIN_CALLS, int(DEFAULT_CALLS * min(1.0, size / (1 << 30))))
+
+
+def percentile(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def unary_latency(sockets: dict[str, Path], calls: int, sandbox_id: str) -> list[dict[str, Any]]:
+    """p50/p99 of Version and PodSandboxStatus on each socket ("direct" first), interleaved
+    call by call."""
+    import grpc
+
+    from podgate.cri import api_pb2 as pb
+
+    requests = {
+        "Version": pb.VersionRequest(version="v1").SerializeToString(),
+        "PodSandboxStatus": pb.PodSandboxStatusRequest(
+            pod_sandbox_id=sandbox_id
+        ).SerializeToString(),
+    }
+    channels = {path: grpc.insecure_channel(f"unix://{sock}") for path, sock in sockets.items()}
+    rows = []
+    try:
+        for method, body in requests.items():
+            name = f"/runtime.v1.RuntimeService/{method}"
+            stubs = {path: channel.unary_unary(name) for path, channel in channels.items()}
+            samples: dict[str, list[float]] = {path: [] for path in stubs}
+            for i in range(WARMUP_CALLS + calls):
+                for path, stub in stubs.items():
+                    start = time.perf_counter()
+                    stub(body, timeout=30)
+                    if i >= WARMUP_CALLS:
+                        samples[path].append(time.perf_counter() - start)
+            direct_p50 = percentile(samples["direct"], 0.5) * 1e6
+            for path, values in samples.items():
+                p50 = percentile(values, 0.5) * 1e6
+                rows.append(
+                    {
+                        "method": method,
+                        "path": path,
+                        "calls": calls,
+                        "p50_us": p50,
+                        "p99_us": percentile(values, 0.99) * 1e6,
+                        "mean_us": statistics.fmean(values) * 1e6,
+                        "added_p50_us": p50 - direct_p50,
+                    }
+                )
+    finally:
+        for channel in channels.values():
+            channel.close()
+    return rows
+
+
+async def echo(socket_path: Path, pod: Any, port: int, size: int) -> tuple[float, bool]:
+    """Seconds to echo `size` bytes through the CRI runtime at `socket_path`'s port-forward,
+    and whether the bytes came back intact."""
+    from podgate.node.cri_client import CriClient
+    from podgate.node.upstream import CriTarget
+    from podgate.streaming.target import PodRef
+
+    client = CriClient(str(socket_path))
+    target = CriTarget(client)
+    block = os.urandom(CHUNK_BYTES)
+    sent, received = hashlib.sha256(), hashlib.sha256()
+    try:
+        start = time.perf_counter()
+        stream = await target.open_port(PodRef("default", pod.name, pod.uid, pod.sandbox_id), port)
+        count = 0
+
+        async def upload() -> None:
+            left = size
+            while left:
+                chunk = block[: min(CHUNK_BYTES, left)]
+                sent.update(chunk)
+                await stream.send(chunk)
+                left -= len(chunk)
+
+        try:
+            async with asyncio.timeout(RUN_TIMEOUT_SECONDS), asyncio.TaskGroup() as tasks:
+                tasks.create_task(upload())
+                while count < size:
+                    chunk = await stream.receive(CHUNK_BYTES)
+                    if not chunk:
+                        break
+                    received.update(chunk)
+                    count += len(chunk)
+        finally:
+            await stream.aclose()
+        seconds = time.perf_counter() - start
+    finally:
+        await target.aclose()
+        await client.close()
+    return seconds, count == size and sent.digest() == received.digest()
+
+
+def run_proxy(calls: int, size: int, runs: int, progress: Progress) -> dict[str, Any]:
+    for where in TEST_HELPERS:
+        if str(REPO / where) not in sys.path:
+            sys.path.append(str(REPO / where))
+    from containerd_support import missing_tools, private_containerd
+    from e2e_support import free_port, stop_process
+    from proxy_support import PROXY_READY, echo_command, run_pod, start_process, wait_listening
+
+    section: dict[str, Any] = {
+        "meta": {"calls": calls, "size": size, "runs": runs},
+        "unary": [],
+        "throughput": [],
+        "error": None,
+    }
+    if os.geteuid() != 0:
+        section["error"] = "containerd and runc need root"
+        return section
+    tools, why = missing_tools()
+    if tools is None:
+        section["error"] = why
+        return section
+    work = Path(tempfile.mkdtemp(prefix="pgpb", dir="/tmp"))
+    try:
+        with private_containerd(tools) as ctrd:
+            progress("proxy: pods in a private containerd")
+            plain_port, proxied_port = free_port(), free_port()
+            plain = run_pod(
+                ctrd, ctrd.runtime, "plain", echo_command(plain_port), host_network=True
+            )
+            proxied = run_pod(
+                ctrd,
+                ctrd.runtime,
+                "proxied",
+                echo_command(proxied_port),
+                host_network=True,
+                annotations=dict([ANNOTATION]),
+            )
+            wait_listening(plain_port)
+            wait_listening(proxied_port)
+            proxies = []
+            sockets = {"direct": ctrd.socket}
+            for plane in DATA_PLANES:
+                sock = work / f"proxy-{plane}.sock"
+                process, _ = start_process(
+                    [
+                        "proxy",
+                        *("--listen", str(sock)),
+                        *("--upstream", f"unix://{ctrd.socket}"),
+                        *("--select-annotation", "=".join(ANNOTATION)),
+                        *("--data-plane", plane),
+                    ],
+                    work / f"proxy-{plane}.log",
+                    PROXY_READY,
+                )
+                proxies.append(process)
+                sockets[f"proxy ({plane})"] = sock
+            proxy_sock = sockets[f"proxy ({DATA_PLANES[0]})"]
+            try:
+                progress(f"proxy: {calls} unary calls per method and path")
+                section["unary"] = unary_latency(sockets, calls, plain.sandbox_id)
+                for run in range(runs):
+                    progress(f"proxy: echo {format_size(size)}, run {run + 1}/{runs}")
+                    for path, sock, pod, port in (
+                        ("containerd port-forward, plain pod", ctrd.socket, plain, plain_port),
+                        (
+                            "proxy port-forward (exec), selected pod",
+                            proxy_sock,
+                            proxied,
+                            proxied_port,
+                        ),
+                    ):
+                        seconds, ok = asyncio.run(echo(sock, pod, port, size))
+                        section["throughput"].append(
+                            {"path": path, "run": run, "seconds": seconds, "verified": ok}
+                        )
+            finally:
+                for process in proxies:
+                    stop_process(process.proc)
+    except Exception as exc:  # reported in the section; the rest of the bench goes on
+        section["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return section
+
+
+def _mb_s(size: int, seconds: float) -> float:
+    return 2 * size / seconds / 1e6  # both directions of the echo
+
+
+def _tables(section: dict[str, Any]) -> list[tuple[str, str, tuple[str, ...], list[list[str]]]]:
+    meta = section["meta"]
+    unary_rows = [
+        [
+            r["method"],
+            r["path"],
+            f"{r['p50_us']:.0f}",
+            "–" if r["path"] == "direct" else f"{r['added_p50_us']:+.0f}",
+            f"{r['p99_us']:.0f}",
+        ]
+        for r in section["unary"]
+    ]
+    size = meta["size"]
+    by_path: dict[str, list[dict[str, Any]]] = {}
+    for r in section["throughput"]:
+        by_path.setdefault(r["path"], []).append(r)
+    medians = {
+        p: statistics.median(_mb_s(size, r["seconds"]) for r in rs) for p, rs in by_path.items()
+    }
+    reference = next(iter(medians.values()), None)
+    tp_rows = [
+        [
+            path,
+            f"{medians[path]:.0f}",
+            f"{medians[path] / reference:.2f}" if reference else "–",
+            f"{sum(r['verified'] for r in rs)}/{len(rs)}",
+        ]
+        for path, rs in by_path.items()
+    ]
+    return [
+        (
+            f"podgate proxy: unary CRI calls, {meta['calls']} per method and path (µs)",
+            "Calls interleaved over the paths from one client; added = p50 − direct p50 "
+            f"(goal ≤ {GOAL_ADDED_P50_US:.0f} µs).",
+            ("method", "path", "p50", "added p50", "p99"),
+            unary_rows,
+        ),
+        (
+            f"podgate proxy: port-forward echo, {format_size(size)} each way, median of "
+            f"{meta['runs']} run(s)",
+            "MB/s = 10^6 bytes per second, both directions counted; ratio against containerd's "
+            "own port-forward in the same run; sha256-checked.",
+            ("path", "MB/s", "× containerd", "verified"),
+            tp_rows,
+        ),
+    ]
+
+
+def _notes(section: dict[str, Any]) -> list[str]:
+    return [f"proxy section failed: {section['error']}"] if section["error"] else []
+
+
+def print_report(section: dict[str, Any], console: Console) -> None:
+    print_tables(_tables(section), _notes(section), console, label_columns=1)
+
+
+def markdown(section: dict[str, Any]) -> str:
+    return markdown_tables(_tables(section), _notes(section))
+
+
+def failed(section: dict[str, Any]) -> bool:
+    return bool(section["error"]) or not all(r["verified"] for r in section["throughput"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.proxy", description=__doc__)
+    parser.add_argument("--calls", type=int, default=DEFAULT_CALLS)
+    parser.add_argument("--size", type=parse_size, default=DEFAULT_SIZE)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--json", type=Path, help="also write the section as JSON here")
+    args = parser.parse_args(argv)
+    err = Console(stderr=True)
+    section = run_proxy(args.calls, args.size, args.runs, lambda m: err.print(f"[dim]{m}[/dim]"))
+    console = Console() if sys.stdout.isatty() else Console(width=REPORT_WIDTH)
+    print_report(section, console)
+    if args.json:
+        args.json.write_text(json.dumps(section, indent=1) + "\n")
+    return 1 if failed(section) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,204 @@
+"""HTTP/2 frames (RFC 9113 §4.1) and gRPC message framing, for a relay that passes frames on
+unchanged and looks into few of them: a frame splitter, the header block of a HEADERS frame,
+the data of a DATA frame, and DATA frames rebuilt with the same flow-controlled length.
+
+Sans-IO: bytes in, frames out.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Final
+
+from podgate.proto.errors import ProtocolError
+
+PREFACE: Final = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+FRAME_HEADER_BYTES: Final = 9
+# RFC 9113 §4.2: the largest frame size either side may allow.
+MAX_FRAME_PAYLOAD_BYTES: Final = (1 << 24) - 1
+# RFC 9113 §6.5.2: SETTINGS_MAX_FRAME_SIZE's initial value; a peer accepts this much at least.
+DEFAULT_MAX_FRAME_BYTES: Final = 16384
+
+DATA: Final = 0x0
+HEADERS: Final = 0x1
+SETTINGS: Final = 0x4
+WINDOW_UPDATE: Final = 0x8
+CONTINUATION: Final = 0x9
+RST_STREAM: Final = 0x3
+GOAWAY: Final = 0x7
+
+END_STREAM: Final = 0x1
+ACK: Final = 0x1
+END_HEADERS: Final = 0x4
+PADDED: Final = 0x8
+PRIORITY: Final = 0x20
+
+SETTINGS_HEADER_TABLE_SIZE: Final = 0x1
+
+# Padding one frame may carry (its pad length is one byte).
+_MAX_PAD: Final = 255
+
+# gRPC (PROTOCOL-HTTP2.md): each message is a compressed flag, a 4-byte length, the message.
+GRPC_PREFIX_BYTES: Final = 5
+
+_HEADER = struct.Struct(">I")
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    type: int
+    flags: int
+    stream_id: int
+    payload: memoryview
+    raw: memoryview  # the whole frame as it arrived
+
+    @property
+    def end_stream(self) -> bool:
+        return bool(self.flags & END_STREAM) and self.type in (DATA, HEADERS)
+
+
+class FrameSplitter:
+    """Cuts a byte stream into frames; the client preface first when `preface` is set."""
+
+    def __init__(self, *, preface: bool = False, max_payload: int = MAX_FRAME_PAYLOAD_BYTES):
+        self._buffer = bytearray()
+        self._want_preface = preface
+        self._max_payload = max_payload
+
+    def feed(self, data: bytes | bytearray | memoryview) -> tuple[bytes, list[Frame]]:
+        """(the preface if it completed now, the frames that completed)."""
+        self._buffer += data
+        preface = b""
+        offset = 0
+        if self._want_preface:
+            if len(self._buffer) < len(PREFACE):
+                if not PREFACE.startswith(bytes(self._buffer)):
+                    raise ProtocolError("not an HTTP/2 connection preface")
+                return b"", []
+            if self._buffer[: len(PREFACE)] != PREFACE:
+                raise ProtocolError("not an HTTP/2 connection preface")
+            preface, offset, self._want_preface = PREFACE, len(PREFACE), False
+        frames = []
+        data_view = memoryview(bytes(self._buffer))
+        end = len(data_view)
+        while end - offset >= FRAME_HEADER_BYTES:
+            length = int.from_bytes(data_view[offset : offset + 3], "big")
+            if length > self._max_payload:
+                raise ProtocolError(f"frame of {length} bytes exceeds the maximum")
+            if end - offset < FRAME_HEADER_BYTES + length:
+                break
+            kind, flags = data_view[offset + 3], data_view[offset + 4]
+            stream_id = _HEADER.unpack_from(data_view, offset + 5)[0] & 0x7FFFFFFF
+            start = offset + FRAME_HEADER_BYTES
+            frames.append(
+                Frame(
+                    kind,
+                    flags,
+                    stream_id,
+                    data_view[start : start + length],
+                    data_view[offset : start + length],
+                )
+            )
+            offset = start + length
+        del self._buffer[:offset]
+        return preface, frames
+
+
+def _unpadded(frame: Frame) -> memoryview:
+    payload = frame.payload
+    if frame.flags & PADDED:
+        if not payload:
+            raise ProtocolError("padded frame without a pad length")
+        pad = payload[0]
+        if pad >= len(payload):
+            raise ProtocolError("padding exceeds the frame")
+        payload = payload[1 : len(payload) - pad]
+    return payload
+
+
+def data_of(frame: Frame) -> memoryview:
+    """A DATA frame's data, without its padding."""
+    return _unpadded(frame)
+
+
+def header_fragment(frame: Frame) -> memoryview:
+    """A HEADERS or CONTINUATION frame's header block fragment."""
+    payload = _unpadded(frame) if frame.type == HEADERS else frame.payload
+    if frame.type == HEADERS and frame.flags & PRIORITY:
+        if len(payload) < 5:
+            raise ProtocolError("HEADERS priority fields truncated")
+        payload = payload[5:]
+    return payload
+
+
+def header_table_size(frame: Frame) -> int | None:
+    """SETTINGS_HEADER_TABLE_SIZE in a (non-ACK) SETTINGS frame, if it sets it."""
+    if frame.type != SETTINGS or frame.flags & ACK:
+        return None
+    found = None
+    payload = frame.payload
+    for i in range(0, len(payload) - len(payload) % 6, 6):
+        if int.from_bytes(payload[i : i + 2], "big") == SETTINGS_HEADER_TABLE_SIZE:
+            found = int.from_bytes(payload[i + 2 : i + 6], "big")
+    return found
+
+
+def window_increment(frame: Frame) -> int:
+    return int(_HEADER.unpack_from(frame.payload)[0]) & 0x7FFFFFFF
+
+
+def encode_frame(kind: int, flags: int, stream_id: int, payload: bytes) -> bytes:
+    return (
+        len(payload).to_bytes(3, "big")
+        + bytes((kind, flags))
+        + _HEADER.pack(stream_id & 0x7FFFFFFF)
+        + payload
+    )
+
+
+def data_frames_like(stream_id: int, data: bytes, flow_length: int, end_stream: bool) -> bytes:
+    """DATA frames carrying `data` that count exactly `flow_length` bytes against flow control
+    (RFC 9113 §6.1: padding counts), so both ends' windows stay as the original frames left
+    them. The first frame carries the data, padded; empty padded frames take up the rest.
+    ValueError when `data` is longer than `flow_length` or will not fit one frame."""
+    if len(data) > flow_length or len(data) > DEFAULT_MAX_FRAME_BYTES - _MAX_PAD - 1:
+        raise ValueError(f"cannot carry {len(data)} bytes in {flow_length}")
+    frames: list[tuple[bytes, int]] = []  # (data, pad length or -1 for none)
+    left = flow_length - len(data)
+    chunk = data
+    while True:
+        if left == 0:
+            frames.append((chunk, -1))
+            break
+        pad = min(left - 1, _MAX_PAD)
+        frames.append((chunk, pad))
+        left -= pad + 1
+        chunk = b""
+    out = bytearray()
+    for i, (body, pad) in enumerate(frames):
+        flags = END_STREAM if end_stream and i == len(frames) - 1 else 0
+        if pad < 0:
+            out += encode_frame(DATA, flags, stream_id, body)
+        else:
+            payload = bytes((pad,)) + body + bytes(pad)
+            out += encode_frame(DATA, flags | PADDED, stream_id, payload)
+    return bytes(out)
+
+
+def encode_window_update(stream_id: int, increment: int) -> bytes:
+    return encode_frame(WINDOW_UPDATE, 0, stream_id, _HEADER.pack(increment))
+
+
+def grpc_message(buffer: bytes | bytearray) -> tuple[bool, bytes] | None:
+    """(compressed, message) once `buffer` holds one whole gRPC message, else None."""
+    if len(buffer) < GRPC_PREFIX_BYTES:
+        return None
+    length = _HEADER.unpack_from(buffer, 1)[0]
+    if len(buffer) < GRPC_PREFIX_BYTES + length:
+        return None
+    return bool(buffer[0]), bytes(buffer[GRPC_PREFIX_BYTES : GRPC_PREFIX_BYTES + length])
+
+
+def encode_grpc_message(message: bytes) -> bytes:
+    return b"\x00" + _HEADER.pack(len(message)) + message

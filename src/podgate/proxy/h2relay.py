@@ -1,0 +1,262 @@
+"""The proxy's fast data plane: each kubelet connection is relayed frame by frame to a
+connection of its own to the runtime, unchanged, so a call costs the relay one read and one
+write each way instead of a gRPC server and a gRPC client in Python.
+
+Both HTTP/2 connections are one conversation: settings, flow control, HPACK state, pings and
+GOAWAY are the two ends' own, and every byte passes through as it came, except the one gRPC
+message of an intercepted call's response. To know which calls those are, request header
+blocks are decoded (a copy, so the relay's HPACK table follows the client's); an intercepted
+call's request message is read, and its response message is held, rewritten (a URL swapped)
+and sent as DATA frames that count the same flow-controlled bytes as the runtime's (padding
+makes up the difference), so both ends' windows stay in step. Responses are never invented
+here: the runtime answers every call, the relay only changes a URL in its answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Final
+
+import hpack
+
+from podgate.aio.errors import StreamError
+from podgate.aio.streams import SocketStream
+from podgate.proto import h2frames as h2
+from podgate.proto.errors import ProtocolError
+
+log = logging.getLogger(__name__)
+
+# One read from either side.
+RECEIVE_BYTES: Final = 256 * 1024
+# Header list size the relay decodes at most (the kubelet's CRI calls carry a few hundred).
+MAX_HEADER_LIST_BYTES: Final = 1024 * 1024
+# A request message read for an interception at most; a bigger one passes untouched.
+MAX_INSPECTED_MESSAGE_BYTES: Final = 1024 * 1024
+
+# Given the runtime's response message, the message to answer with (None: unchanged).
+Rewrite = Callable[[bytes], bytes | None]
+# Called with an intercepted method's request message: what to do with its response.
+Intercept = Callable[[str, bytes], Awaitable[Rewrite | None] | None]
+
+
+@dataclass(slots=True)
+class _Call:
+    method: str
+    request: bytearray = field(default_factory=bytearray)
+    decision: asyncio.Future[Rewrite | None] | None = None
+    inspected: bool = False  # the request message was read (or given up on)
+    response: bytearray = field(default_factory=bytearray)
+    flow: int = 0  # flow-controlled bytes of the held response frames
+    end_stream: bool = False
+    done: bool = False  # the response message went out; the rest passes through
+
+
+class Relay:
+    """One kubelet connection and its runtime connection."""
+
+    def __init__(
+        self,
+        client: SocketStream,
+        upstream: SocketStream,
+        watched: frozenset[str],
+        intercept: Intercept,
+        first: bytes = b"",
+    ) -> None:
+        self.client = client
+        self.first = first  # what the client sent before the runtime's connection was made
+        self.upstream = upstream
+        self.watched = watched
+        self.intercept = intercept
+        self.calls: dict[int, _Call] = {}
+        self.decoder = hpack.Decoder(max_header_list_size=MAX_HEADER_LIST_BYTES)
+        self._block = bytearray()
+        self._block_stream = 0
+        # Bytes the client was sent beyond what the runtime's flow control counted (a grown
+        # response without room to pad): taken off the client's connection window updates.
+        self._owed = 0
+        self._pending: set[asyncio.Future[Rewrite | None]] = set()
+
+    async def run(self) -> None:
+        async with asyncio.TaskGroup() as tasks:
+            up = tasks.create_task(self._client_to_upstream(), name="relay client→runtime")
+            down = tasks.create_task(self._upstream_to_client(), name="relay runtime→client")
+            await asyncio.wait({up, down}, return_when=asyncio.FIRST_COMPLETED)
+            # One side ended (or broke): the connection is over for both.
+            for task in (up, down):
+                task.cancel()
+        for future in self._pending:
+            future.cancel()
+
+    # -- client → runtime
+
+    async def _client_to_upstream(self) -> None:
+        splitter = h2.FrameSplitter(preface=True)
+        data = self.first
+        try:
+            while data:
+                preface, frames = splitter.feed(data)
+                out = bytearray(preface)
+                for frame in frames:
+                    out += self._from_client(frame)
+                if out:
+                    await self.upstream.send(out)
+                data = await self.client.receive(RECEIVE_BYTES)
+        except (StreamError, ProtocolError, hpack.HPACKError) as exc:
+            log.debug("relay: client side ended: %s", exc)
+
+    def _from_client(self, frame: h2.Frame) -> bytes | memoryview:
+        kind = frame.type
+        if kind in (h2.HEADERS, h2.CONTINUATION):
+            if kind == h2.HEADERS:
+                self._block = bytearray()
+                self._block_stream = frame.stream_id
+            self._block += h2.header_fragment(frame)
+            if frame.flags & h2.END_HEADERS:
+                self._headers(self._block_stream, bytes(self._block))
+        elif kind == h2.DATA:
+            call = self.calls.get(frame.stream_id)
+            if call is not None and not call.inspected:
+                self._request_data(frame.stream_id, call, frame)
+        elif kind == h2.WINDOW_UPDATE and frame.stream_id == 0 and self._owed:
+            increment = h2.window_increment(frame)
+            taken = min(self._owed, increment - 1)
+            self._owed -= taken
+            return h2.encode_window_update(0, increment - taken)
+        elif kind == h2.RST_STREAM:
+            self.calls.pop(frame.stream_id, None)
+        return frame.raw
+
+    def _headers(self, stream_id: int, block: bytes) -> None:
+        headers = self.decoder.decode(block, raw=True)
+        if stream_id in self.calls:
+            return  # the client's trailers, if any
+        for name, value in headers:
+            if name == b":path":
+                method = bytes(value).decode("ascii", "replace")
+                if method in self.watched:
+                    self.calls[stream_id] = _Call(method)
+                return
+
+    def _request_data(self, stream_id: int, call: _Call, frame: h2.Frame) -> None:
+        call.request += h2.data_of(frame)
+        message = h2.grpc_message(call.request)
+        if message is None:
+            if frame.end_stream or len(call.request) > MAX_INSPECTED_MESSAGE_BYTES:
+                self.calls.pop(stream_id, None)  # not one whole message: left alone
+            return
+        call.inspected = True
+        compressed, body = message
+        decision = None if compressed else self.intercept(call.method, body)
+        if decision is None:
+            self.calls.pop(stream_id, None)
+            return
+        future = asyncio.ensure_future(decision)
+        self._pending.add(future)
+        future.add_done_callback(self._pending.discard)
+        call.decision = future
+        call.request = bytearray()
+
+    # -- runtime → client
+
+    async def _upstream_to_client(self) -> None:
+        splitter = h2.FrameSplitter()
+        try:
+            while data := await self.upstream.receive(RECEIVE_BYTES):
+                _, frames = splitter.feed(data)
+                out = bytearray()
+                for frame in frames:
+                    call = self.calls.get(frame.stream_id)
+                    held = call is not None and call.decision is not None and not call.done
+                    if held and frame.type == h2.DATA:
+                        assert call is not None
+                        if await self._response_data(frame, call, out):
+                            out = bytearray()
+                        continue
+                    if frame.type == h2.SETTINGS:
+                        size = h2.header_table_size(frame)
+                        if size is not None:
+                            self.decoder.max_allowed_table_size = size
+                    elif (
+                        frame.type == h2.HEADERS and frame.end_stream
+                    ) or frame.type == h2.RST_STREAM:
+                        self.calls.pop(frame.stream_id, None)
+                    out += frame.raw
+                if out:
+                    await self.client.send(out)
+        except (StreamError, ProtocolError) as exc:
+            log.debug("relay: runtime side ended: %s", exc)
+
+    async def _response_data(self, frame: h2.Frame, call: _Call, out: bytearray) -> bool:
+        """Hold the frame's data; once the message is whole, send what precedes it in `out`
+        and then the (rewritten) message. True when `out` was sent."""
+        call.response += h2.data_of(frame)
+        call.flow += len(frame.payload)
+        call.end_stream = frame.end_stream
+        message = h2.grpc_message(call.response)
+        if message is None and not frame.end_stream:
+            return False
+        if out:
+            await self.client.send(out)
+        assert call.decision is not None
+        replacement = None
+        try:
+            rewrite = await call.decision
+            if message is not None and not message[0] and rewrite is not None:
+                replacement = rewrite(message[1])
+        except Exception:
+            log.exception(
+                "relay: interception of %s failed; the runtime's answer goes on", call.method
+            )
+        body = bytes(call.response)
+        if replacement is not None and message is not None:
+            rest = body[h2.GRPC_PREFIX_BYTES + len(message[1]) :]
+            body = h2.encode_grpc_message(replacement) + rest
+        try:
+            frames = h2.data_frames_like(frame.stream_id, body, call.flow, call.end_stream)
+        except ValueError:
+            # Longer than the runtime's frames: sent as is, the difference owed.
+            frames = h2.encode_frame(
+                h2.DATA, h2.END_STREAM if call.end_stream else 0, frame.stream_id, body
+            )
+            self._owed += max(len(body) - call.flow, 0)
+        call.done = True
+        call.response = bytearray()
+        await self.client.send(frames)
+        return True
+
+
+async def serve_relay(
+    client: SocketStream, upstream_path: str, watched: frozenset[str], intercept: Intercept
+) -> None:
+    """Relay one kubelet connection to a new connection to the runtime's socket, once the
+    client has shown it speaks HTTP/2 (its connection preface)."""
+    first = bytearray()
+    try:
+        while len(first) < len(h2.PREFACE):
+            chunk = await client.receive(RECEIVE_BYTES)
+            first += chunk
+            if not chunk or not h2.PREFACE.startswith(bytes(first[: len(h2.PREFACE)])):
+                log.info("relay: a client without the HTTP/2 preface was dropped")
+                await client.aclose()
+                return
+    except StreamError:
+        await client.aclose()
+        return
+    try:
+        upstream = await SocketStream.connect_unix(upstream_path)
+    except (OSError, StreamError) as exc:
+        # The client sees its connection closed, as it would with the runtime down.
+        log.info("runtime unreachable upstream=%s error=%s", upstream_path, exc)
+        await client.aclose()
+        return
+    try:
+        await Relay(client, upstream, watched, intercept, bytes(first)).run()
+    finally:
+        with contextlib.suppress(StreamError, OSError):
+            await upstream.aclose()
+        with contextlib.suppress(StreamError, OSError):
+            await client.aclose()

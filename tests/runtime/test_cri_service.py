@@ -953,7 +953,7 @@ _BAD_REQUESTS: list[tuple[str, Any, str]] = [
                 )
             ),
         ),
-        "run_as_group",
+        'user group "5" is specified without user',
     ),
     (
         "CreateContainer",

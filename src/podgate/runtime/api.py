@@ -54,6 +54,10 @@ class PodConfig:
     network_mode: NamespaceMode = NamespaceMode.POD  # NODE = host network
     ipc_mode: NamespaceMode = NamespaceMode.POD
     runtime_handler: str = ""
+    cgroup_parent: str = ""
+    privileged: bool = False
+    dns: dict[str, list[str]] | None = None
+    sysctls: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

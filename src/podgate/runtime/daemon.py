@@ -64,6 +64,7 @@ class RuntimeConfig:
     backends: dict[str, list[str]] = field(default_factory=default_backends)
     nri: NriConfig | None = None  # None: no NRI at all
     nri_network: bool = False  # NRI plugins own pod networking (else loopback only)
+    oci_runtime: str = "runc"  # the OCI runtime binary for containers with a root
 
     @property
     def cri_socket_path(self) -> str:
@@ -81,7 +82,7 @@ class RunningRuntime:
 @contextlib.asynccontextmanager
 async def running_runtime(config: RuntimeConfig) -> AsyncIterator[RunningRuntime]:
     """Start everything; stop the servers (not the pods) on exit."""
-    runtime = Runtime(config.state_dir)
+    runtime = Runtime(config.state_dir, config.oci_runtime)
     runtime.load()
     netns = NetnsBackend()
 

@@ -31,6 +31,7 @@ from podgate.model import (
     PodRecord,
     PodState,
 )
+from podgate.oci.securejoin import secure_join
 from podgate.proto import remotecommand as rc
 from podgate.proto.upgrade import StreamKind
 from podgate.runtime.api import (
@@ -44,6 +45,7 @@ from podgate.runtime.api import (
     RuntimeCondition,
 )
 from podgate.runtime.nri import RuntimeNri
+from podgate.runtime.oci import OciContainers, OciError, discard, node_hostname
 from podgate.runtime.sandbox import lifecycle as sandbox
 from podgate.runtime.store import Store
 from podgate.runtime.streaming import PendingStream, StreamingServer
@@ -54,6 +56,11 @@ log = logging.getLogger(__name__)
 
 # ExecSync output kept per stream; more is dropped (as the kubelet's exec probes expect).
 EXEC_SYNC_MAX_OUTPUT = 16 * 1024 * 1024
+# How long ExecSync keeps reading output after the command exited (a background child may hold
+# the pipes open forever), seconds.
+EXEC_SYNC_DRAIN_SECONDS = 0.5
+# How long an exec helper gets to kill its process after SIGTERM, seconds.
+EXEC_KILL_GRACE_SECONDS = 2.0
 # Grace given to containers still running when their pod is stopped.
 POD_STOP_GRACE_SECONDS = 2.0
 # How long a stopped process may take to disappear after SIGKILL.
@@ -72,8 +79,9 @@ class Runtime:
     name = "podgate"
     version = __version__
 
-    def __init__(self, state_dir: str | Path) -> None:
+    def __init__(self, state_dir: str | Path, oci_runtime: str = "runc") -> None:
         self.store = Store(state_dir)
+        self.oci = OciContainers(self.store.root, oci_runtime)
         self.pods: dict[str, PodRecord] = {}
         self.containers: dict[str, ContainerRecord] = {}
         self.streaming: StreamingServer | None = None
@@ -198,7 +206,8 @@ class Runtime:
             metadata=meta,
             state=PodState.NOTREADY,
             created_at=now_ns(),
-            hostname=config.hostname or meta.name,
+            # containerd: the config's hostname, else the node's; never the pod's name.
+            hostname=config.hostname or node_hostname(),
             log_directory=log_dir,
             runtime_handler=config.runtime_handler,
             labels=dict(config.labels),
@@ -206,6 +215,10 @@ class Runtime:
             pid_mode=config.pid_mode,
             network_mode=config.network_mode,
             ipc_mode=config.ipc_mode,
+            cgroup_parent=config.cgroup_parent,
+            privileged=config.privileged,
+            dns=config.dns,
+            sysctls=dict(config.sysctls),
         )
         run = self.store.run_path(pod_id)
         async with self._lock(pod_id):
@@ -216,6 +229,12 @@ class Runtime:
                 log_file=str(run / "holder.log"),
             )
             pod.holder, pod.ns_process = holder, ns_process
+            try:
+                self.oci.pod_files(pod, run)
+            except OSError as exc:
+                await holder_mod.stop_holder(holder)
+                self.store.remove_run_path(pod_id)
+                raise FailedPreconditionError(f"failed to set up the pod's files: {exc}") from exc
             await sandbox.start_for_pod(pod, run)  # sandboxed pods: the guest, shim and agent
             if self.nri is not None:
                 try:
@@ -245,6 +264,7 @@ class Runtime:
             await sandbox.stop_for_pod(pod)  # sandboxed pods: the shim and the guest
             if pod.holder is not None:
                 await holder_mod.stop_holder(pod.holder)
+            self.oci.release_pod(pod, self.store.run_path(pod.id))
             pod.state = PodState.NOTREADY
             self.store.save_pod(pod)
 
@@ -260,6 +280,7 @@ class Runtime:
             await self.nri.pod_removed(pod)
         self.pods.pop(pod.id, None)
         self.store.delete_pod(pod.id)
+        self.oci.remove_pod_cgroup(pod)
         self.store.remove_run_path(pod.id)
 
     async def pod_network(self, pod: PodRecord) -> tuple[str, list[str]]:
@@ -289,8 +310,12 @@ class Runtime:
             raise FailedPreconditionError(f"pod sandbox {pod.id} is not ready")
         if not metadata.name:
             raise InvalidArgumentError("container metadata needs a name")
-        if not spec.command and not spec.args:
+        if not spec.rootfs and not spec.command and not spec.args:
             raise InvalidArgumentError("container needs a command")
+        if spec.rootfs and sandbox.is_sandboxed(pod):
+            raise InvalidArgumentError(
+                f"runtime handler {pod.runtime_handler!r} does not run containers from a root yet"
+            )
         if spec.tty and not spec.stdin and spec.stdin_once:
             raise InvalidArgumentError("stdin_once needs stdin")
         for other in self.pod_containers(pod.id):
@@ -302,7 +327,7 @@ class Runtime:
         container_id = secrets.token_hex(32)
         log_file = ""
         if spec.log_path:
-            log_file = str(Path(pod.log_directory) / spec.log_path)
+            log_file = secure_join(pod.log_directory, spec.log_path)
         elif pod.log_directory:
             log_file = str(Path(pod.log_directory) / metadata.name / f"{metadata.attempt}.log")
         container = ContainerRecord(
@@ -321,6 +346,15 @@ class Runtime:
                 await self.nri.container_creating(pod, container)  # plugins' adjustments
             except Exception as exc:
                 raise FailedPreconditionError(f"NRI CreateContainer failed: {exc}") from exc
+        if spec.rootfs:
+            run = self.store.run_path(container_id)
+            try:
+                await asyncio.to_thread(
+                    self.oci.create, pod, container, self.store.run_path(pod.id), run
+                )
+            except OciError as exc:
+                self.store.remove_run_path(container_id)
+                raise InvalidArgumentError(f"failed to create container: {exc}") from exc
         self.containers[container_id] = container
         self.store.save_container(container)
         if self.nri is not None:
@@ -370,6 +404,7 @@ class Runtime:
                 mounts=[m for m in spec.mounts if m.get("host_path") and m.get("container_path")],
                 ready_file=str(run / "ready.json"),
                 shim_log=str(run / "shim.log"),
+                oci=self.oci.shim_config(container, run) if spec.rootfs else {},
             )
             try:
                 ready = await shim_mod.start_shim(shim_spec)
@@ -435,8 +470,11 @@ class Runtime:
             await self._stop_container(container, 0)
             self.containers.pop(container.id, None)
             self.store.delete_container(container.id)
-            if container.log_file:
-                self.store.remove_file(container.log_file)
+            if container.spec.rootfs:
+                await asyncio.to_thread(
+                    self.oci.remove, container, self.store.run_path(container.id)
+                )
+            # Log files are the caller's (the kubelet deletes them), as containerd leaves them.
             self.store.remove_run_path(container.id)
         pod = self.pods.get(container.pod_id)
         if self.nri is not None and pod is not None:
@@ -451,11 +489,23 @@ class Runtime:
             )
         return container
 
-    def exec_argv(self, container: ContainerRecord, command: Sequence[str]) -> list[str]:
-        """nsenter into every namespace of the container's main process, then run `command`
-        with the container's environment, user and working directory."""
+    def exec_argv(
+        self, container: ContainerRecord, command: Sequence[str], *, tty: bool = False
+    ) -> list[str]:
+        """argv that runs `command` in the container: `runc exec --process FILE` for a container
+        with a root (the file stays in the container's run directory until it is removed;
+        exec_command cleans up after itself), else nsenter into every namespace of the main
+        process with the container's environment, user and working directory."""
+        return self.exec_command(container, command, tty=tty)[0]
+
+    def exec_command(
+        self, container: ContainerRecord, command: Sequence[str], *, tty: bool = False
+    ) -> tuple[list[str], str]:
+        """(argv, a file to remove once the command ended, or "")."""
         assert container.process is not None
         spec = container.spec
+        if spec.rootfs:
+            return self.oci.exec_argv(container, self.store.run_path(container.id), command, tty)
         argv = [
             NSENTER,
             "--target",
@@ -474,7 +524,8 @@ class Runtime:
             argv += ["--setuid", str(spec.run_as_user)]
         pod = self.pods.get(container.pod_id)
         env = {"PATH": DEFAULT_PATH, "HOSTNAME": pod.hostname if pod else "", **spec.envs}
-        return [*argv, "--", "/usr/bin/env", "-i", *(f"{k}={v}" for k, v in env.items()), *command]
+        argv = [*argv, "--", "/usr/bin/env", "-i", *(f"{k}={v}" for k, v in env.items())]
+        return [*argv, *command], ""
 
     async def exec_sync(
         self, container_id: str, command: Sequence[str], timeout: float
@@ -482,36 +533,12 @@ class Runtime:
         container = self.running_container(container_id)
         if not command:
             raise InvalidArgumentError("exec needs a command")
-        proc = await asyncio.create_subprocess_exec(
-            *self.exec_argv(container, command),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            start_new_session=True,
-        )
-        assert proc.stdout is not None and proc.stderr is not None
-
-        async def capped(stream: asyncio.StreamReader) -> bytes:
-            kept = bytearray()
-            while chunk := await stream.read(256 * 1024):
-                room = EXEC_SYNC_MAX_OUTPUT - len(kept)
-                if room > 0:
-                    kept += chunk[:room]
-            return bytes(kept)
-
-        gathered = asyncio.gather(capped(proc.stdout), capped(proc.stderr), proc.wait())
+        argv, cleanup = self.exec_command(container, command)
         try:
-            async with asyncio.timeout(timeout if timeout > 0 else None):
-                out, err, code = await gathered
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            await proc.wait()
-            gathered.cancel()
-            raise DeadlineExceededError(
-                f"command {list(command)} timed out after {timeout:g}s"
-            ) from None
-        return ExecSyncResult(out, err, 128 - code if code < 0 else code)
+            return await _run_exec_sync(argv, command, timeout)
+        finally:
+            if cleanup:
+                discard(cleanup)
 
     # ------------------------------------------------------------------ streaming URLs
     def pod_ref(self, pod: PodRecord) -> PodRef:
@@ -578,6 +605,65 @@ class Runtime:
 
     def update_runtime_config(self, pod_cidr: str) -> None:
         self.pod_cidr = pod_cidr
+
+
+async def _run_exec_sync(
+    argv: Sequence[str], command: Sequence[str], timeout: float
+) -> ExecSyncResult:
+    """Run `argv` to its exit, with output capped. Once it exited, output still buffered in
+    the pipes is read for at most EXEC_SYNC_DRAIN_SECONDS: a background child that keeps the
+    pipes open does not hold the answer back."""
+    proc = await asyncio.create_subprocess_exec(
+        *argv,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        start_new_session=True,
+        close_fds=True,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    kept = {"out": bytearray(), "err": bytearray()}
+
+    async def capped(stream: asyncio.StreamReader, buf: bytearray) -> None:
+        while chunk := await stream.read(256 * 1024):
+            room = EXEC_SYNC_MAX_OUTPUT - len(buf)
+            if room > 0:
+                buf += chunk[:room]
+
+    code: int | None = None
+    async with asyncio.TaskGroup() as tg:
+        readers = [
+            tg.create_task(capped(proc.stdout, kept["out"])),
+            tg.create_task(capped(proc.stderr, kept["err"])),
+        ]
+        try:
+            async with asyncio.timeout(timeout if timeout > 0 else None):
+                code = await proc.wait()
+        except TimeoutError:
+            await _kill_exec(proc)
+            for reader in readers:
+                reader.cancel()
+        else:
+            _, pending = await asyncio.wait(readers, timeout=EXEC_SYNC_DRAIN_SECONDS)
+            for reader in pending:
+                reader.cancel()
+    if code is None:
+        raise DeadlineExceededError(f"command {list(command)} timed out after {timeout:g}s")
+    return ExecSyncResult(bytes(kept["out"]), bytes(kept["err"]), 128 - code if code < 0 else code)
+
+
+async def _kill_exec(proc: asyncio.subprocess.Process) -> None:
+    """SIGTERM first (execwait then kills the container process), SIGKILL to the group."""
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGTERM)
+    try:
+        async with asyncio.timeout(EXEC_KILL_GRACE_SECONDS):
+            await proc.wait()
+    except TimeoutError:
+        pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    await proc.wait()
 
 
 def _check_stdio(tty: bool, stdin: bool, stdout: bool, stderr: bool) -> None:

@@ -1,0 +1,525 @@
+"""Containers with a root run through runc: a real `podgate runtime` daemon, a busybox root.
+
+The image is a directory (Debian's busybox-static installed into it, plus /etc/passwd and
+/etc/group) passed as an absolute `image.image`, until the image store supplies lower
+directories. Every check runs inside the container through ExecSync (runc exec) or reads its
+log, and compares with what containerd gives (the shared docs, reference/images-and-oci.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import socket
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from runtime_e2e_support import POD_NAMESPACE, Pod, Pods, RuntimeDaemon, rpc_error, wait_for_log
+
+from busybox_rootfs import make_rootfs
+from podgate.cri import api_pb2 as pb
+from podgate.cri import api_pb2_grpc as pb_grpc
+
+pytestmark = [
+    pytest.mark.privileged,
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root: the runtime creates namespaces"),
+]
+
+# containerd's 14 default capabilities as a /proc/<pid>/status mask, computed by hand from
+# <linux/capability.h>: CHOWN 0, DAC_OVERRIDE 1, FOWNER 3, FSETID 4, KILL 5, SETGID 6,
+# SETUID 7, SETPCAP 8, NET_BIND_SERVICE 10, NET_RAW 13, SYS_CHROOT 18, MKNOD 27,
+# AUDIT_WRITE 29, SETFCAP 31.
+DEFAULT_CAP_MASK = "00000000a80425fb"
+# A secret the test puts in a container's environment and looks for in every host argv.
+SECRET_VALUE = "s3cr3t-value-7f1c9a"
+EXEC_TIMEOUT = 30
+MASKED_FILE = "/etc/masked-secret"
+MASKED_TEXT = "only the image knows\n"
+
+
+@pytest.fixture(scope="module")
+def rootfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    if shutil.which("runc") is None:
+        pytest.skip("runc is not installed")
+    root = make_rootfs(tmp_path_factory.mktemp("busybox") / "root")
+    (root / MASKED_FILE.lstrip("/")).write_text(MASKED_TEXT)
+    yield str(root)
+
+
+def security(**kwargs: object) -> pb.LinuxContainerSecurityContext:
+    return pb.LinuxContainerSecurityContext(**kwargs)  # type: ignore[arg-type]
+
+
+async def run_pod(
+    cri: pb_grpc.RuntimeServiceStub,
+    pods: Pods,
+    name: str,
+    *,
+    privileged: bool = False,
+    **kw: object,
+) -> Pod:
+    config = pb.PodSandboxConfig(
+        metadata=pb.PodSandboxMetadata(name=name, namespace=POD_NAMESPACE, uid=os.urandom(8).hex()),
+        linux=pb.LinuxPodSandboxConfig(
+            security_context=pb.LinuxSandboxSecurityContext(privileged=privileged)
+        ),
+        **kw,  # type: ignore[arg-type]
+    )
+    response = await cri.RunPodSandbox(pb.RunPodSandboxRequest(config=config))
+    pods.created.append(response.pod_sandbox_id)
+    return Pod(response.pod_sandbox_id, config)
+
+
+async def container(
+    cri: pb_grpc.RuntimeServiceStub,
+    pod: Pod,
+    rootfs: str,
+    name: str,
+    command: list[str],
+    *,
+    sec: pb.LinuxContainerSecurityContext | None = None,
+    resources: pb.LinuxContainerResources | None = None,
+    envs: dict[str, str] | None = None,
+    start: bool = True,
+    log_path: str = "",
+) -> str:
+    config = pb.ContainerConfig(
+        metadata=pb.ContainerMetadata(name=name),
+        image=pb.ImageSpec(image=rootfs),
+        command=command,
+        envs=[pb.KeyValue(key=k, value=v) for k, v in (envs or {}).items()],
+        log_path=log_path,
+        linux=pb.LinuxContainerConfig(
+            security_context=sec or security(seccomp=pb.SecurityProfile()),
+            resources=resources,
+        ),
+    )
+    response = await cri.CreateContainer(
+        pb.CreateContainerRequest(pod_sandbox_id=pod.id, config=config, sandbox_config=pod.config)
+    )
+    if start:
+        await cri.StartContainer(pb.StartContainerRequest(container_id=response.container_id))
+    return response.container_id
+
+
+async def run(cri: pb_grpc.RuntimeServiceStub, container_id: str, *cmd: str) -> pb.ExecSyncResponse:
+    return await cri.ExecSync(
+        pb.ExecSyncRequest(container_id=container_id, cmd=list(cmd), timeout=EXEC_TIMEOUT)
+    )
+
+
+async def ok(cri: pb_grpc.RuntimeServiceStub, container_id: str, *cmd: str) -> str:
+    response = await run(cri, container_id, *cmd)
+    assert (response.exit_code, response.stderr) == (0, b""), response
+    return response.stdout.decode()
+
+
+def status_field(text: str, name: str) -> str:
+    match = re.search(rf"^{name}:\s*(\S+)$", text, re.MULTILINE)
+    assert match is not None, text
+    return match.group(1)
+
+
+def own_cap_bnd() -> str:
+    return status_field(Path("/proc/self/status").read_text(), "CapBnd")
+
+
+async def test_container_is_isolated_from_the_node(
+    cri: pb_grpc.RuntimeServiceStub, pods: Pods, rootfs: str, runtime_daemon: RuntimeDaemon
+) -> None:
+    pod = await run_pod(cri, pods, "runc-iso", hostname="runc-iso")
+    cid = await container(
+        cri, pod, rootfs, "main", ["sleep", "1000"], envs={"SECRET": SECRET_VALUE}
+    )
+    state = runtime_daemon.state_dir
+    record = state / "pods" / f"{pod.id}.json"
+    assert record.exists()
+    # The state directory and the CRI socket do not exist in the container's root...
+    for path in (str(record), str(state), runtime_daemon.cri_socket):
+        response = await run(cri, cid, "cat", path)
+        assert response.exit_code != 0 and b"No such file or directory" in response.stderr
+    response = await run(cri, cid, "nc", "-U", runtime_daemon.cri_socket)
+    assert response.exit_code != 0
+    # ...nor through the pod's PID 1 (the holder runs in the host's mount namespace).
+    response = await run(cri, cid, "ls", f"/proc/1/root{state}")
+    assert response.exit_code != 0 and b"Permission denied" in response.stderr
+
+    # Only the pod's processes: its holder (PID 1), the container's sleep and ps itself.
+    ps = await ok(cri, cid, "ps", "-o", "pid,comm")
+    comms = {line.split()[1] for line in ps.splitlines()[1:]}
+    assert comms <= {"python3", "python", "sleep", "ps"}, ps
+    assert "sleep" in comms and "ps" in comms
+
+    status = await ok(cri, cid, "cat", "/proc/self/status")
+    for field in ("CapEff", "CapPrm", "CapBnd"):
+        assert status_field(status, field) == DEFAULT_CAP_MASK, field
+    assert status_field(status, "CapInh") == "0000000000000000"
+    assert status_field(status, "Seccomp") == "2"
+    assert status_field(status, "NoNewPrivs") == "0"
+
+    # An exec'd process has only stdin, stdout and stderr: the shell lists its own fds (the
+    # trailing `true` keeps it from exec'ing ls, whose directory would be fd 3).
+    fds = await ok(cri, cid, "sh", "-c", "ls /proc/$$/fd; true")
+    assert fds.split() == ["0", "1", "2"]
+
+    # The environment reaches the process, yet no host process carries it in its argv.
+    task = asyncio.ensure_future(run(cri, cid, "sh", "-c", 'sleep 2; echo "$SECRET"'))
+    saw_runc_exec = False
+    while not task.done():
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                argv = cmdline.read_bytes()
+            except OSError:
+                continue
+            assert SECRET_VALUE.encode() not in argv, argv
+            saw_runc_exec = saw_runc_exec or (b"exec\0--process\0" in argv)
+        await asyncio.sleep(0.05)
+    response = await task
+    assert response.stdout == f"{SECRET_VALUE}\n".encode()
+    assert saw_runc_exec
+
+
+async def test_user_group_and_supplemental_groups(
+    cri: pb_grpc.RuntimeServiceStub, pods: Pods, rootfs: str
+) -> None:
+    pod = await run_pod(cri, pods, "runc-users")
+    # A uid without a passwd entry: gid 0.
+    cid = await container(
+        cri,
+        pod,
+        rootfs,
+        "uid",
+        ["sleep", "1000"],
+        sec=security(run_as_user=pb.Int64Value(value=1001)),
+    )
+    assert await ok(cri, cid, "id", "-u") == "1001\n"
+    assert await ok(cri, cid, "id", "-g") == "0\n"
+    # A user name resolved in the image's /etc/passwd.
+    cid = await container(
+        cri, pod, rootfs, "name", ["sleep", "1000"], sec=security(run_as_username="nobody")
+    )
+    assert await ok(cri, cid, "id", "-nu") == "nobody\n"
+    assert await ok(cri, cid, "id", "-u") == "65534\n"
+    # uid and gid, plus supplemental groups merged with the image's groups for that user.
+    cid = await container(
+        cri,
+        pod,
+        rootfs,
+        "groups",
+        ["sleep", "1000"],
+        sec=security(
+            run_as_user=pb.Int64Value(value=1000),
+            supplemental_groups=[1234, 5678],
+        ),
+    )
+    assert await ok(cri, cid, "id", "-u") == "1000\n"
+    assert sorted(map(int, (await ok(cri, cid, "id", "-G")).split())) == [1000, 1234, 5678, 50000]
+    cid = await container(
+        cri,
+        pod,
+        rootfs,
+        "strict",
+        ["sleep", "1000"],
+        sec=security(
+            run_as_user=pb.Int64Value(value=1000),
+            supplemental_groups=[1234],
+            supplemental_groups_policy=pb.Strict,
+        ),
+    )
+    assert sorted(map(int, (await ok(cri, cid, "id", "-G")).split())) == [1000, 1234]
+    cid = await container(
+        cri,
+        pod,
+        rootfs,
+        "uidgid",
+        ["sleep", "1000"],
+        sec=security(run_as_user=pb.Int64Value(value=1001), run_as_group=pb.Int64Value(value=1002)),
+    )
+    assert await ok(cri, cid, "sh", "-c", "echo $(id -u):$(id -g)") == "1001:1002\n"
+    # A group without a user is refused, as containerd does.
+    err = await rpc_error(
+        container(
+            cri,
+            pod,
+            rootfs,
+            "nouser",
+            ["true"],
+            sec=security(run_as_group=pb.Int64Value(value=1002)),
+        )
+    )
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert 'user group "1002" is specified without user' in (err.details() or "")
+
+
+async def test_readonly_rootfs_masked_and_readonly_paths(
+    cri: pb_grpc.RuntimeServiceStub, pods: Pods, rootfs: str
+) -> None:
+    pod = await run_pod(cri, pods, "runc-ro")
+    cid = await container(
+        cri, pod, rootfs, "ro", ["sleep", "1000"], sec=security(readonly_rootfs=True)
+    )
+    response = await run(cri, cid, "touch", "/test.go")
+    assert response.exit_code != 0
+    assert response.stderr == b"touch: /test.go: Read-only file system\n"
+    cid = await container(cri, pod, rootfs, "rw", ["sleep", "1000"])
+    assert await ok(cri, cid, "sh", "-c", "touch /test.go && [ -f /test.go ] && echo Found") == (
+        "Found\n"
+    )
+    cid = await container(
+        cri,
+        pod,
+        rootfs,
+        "masked",
+        ["sleep", "1000"],
+        sec=security(masked_paths=[MASKED_FILE], readonly_paths=["/tmp"]),
+    )
+    assert await ok(cri, cid, "cat", MASKED_FILE) == ""  # /dev/null over the file
+    response = await run(cri, cid, "touch", "/tmp/test")
+    assert response.stderr == b"touch: /tmp/test: Read-only file system\n"
+    # The image itself is untouched, and the default container sees the file.
+    assert Path(rootfs, MASKED_FILE.lstrip("/")).read_text() == MASKED_TEXT
+    assert (
+        await ok(
+            cri, await container(cri, pod, rootfs, "plain", ["sleep", "1000"]), "cat", MASKED_FILE
+        )
+        == MASKED_TEXT
+    )
+    assert not Path(rootfs, "test.go").exists()  # writes went to the container's upper dir
+
+
+async def test_privileged_and_capabilities(
+    cri: pb_grpc.RuntimeServiceStub, pods: Pods, rootfs: str
+) -> None:
+    plain = await run_pod(cri, pods, "runc-caps")
+    cid = await container(cri, plain, rootfs, "default", ["sleep", "1000"])
+    assert (await run(cri, cid, "brctl", "addbr", "foobar")).exit_code != 0
+    cid = await container(
+        cri,
+        plain,
+        rootfs,
+        "netadmin",
+        ["sleep", "1000"],
+        sec=security(capabilities=pb.Capability(add_capabilities=["NET_ADMIN"])),
+    )
+    await ok(cri, cid, "brctl", "addbr", "foobar")
+    cid = await container(
+        cri,
+        plain,
+        rootfs,
+        "noraw",
+        ["sleep", "1000"],
+        sec=security(capabilities=pb.Capability(drop_capabilities=["NET_RAW"])),
+    )
+    response = await run(cri, cid, "ping", "-c", "1", "127.0.0.1")
+    assert response.exit_code != 0 and b"ermission denied" in response.stderr
+    cid = await container(
+        cri,
+        plain,
+        rootfs,
+        "dropall",
+        ["sleep", "1000"],
+        sec=security(capabilities=pb.Capability(drop_capabilities=["ALL"])),
+    )
+    assert status_field(await ok(cri, cid, "cat", "/proc/self/status"), "CapBnd") == "0" * 16
+    cid = await container(
+        cri,
+        plain,
+        rootfs,
+        "addall",
+        ["sleep", "1000"],
+        sec=security(capabilities=pb.Capability(add_capabilities=["ALL"])),
+    )
+    assert status_field(await ok(cri, cid, "cat", "/proc/self/status"), "CapBnd") == own_cap_bnd()
+    cid = await container(
+        cri,
+        plain,
+        rootfs,
+        "onlybind",
+        ["sleep", "1000"],
+        sec=security(
+            capabilities=pb.Capability(
+                drop_capabilities=["ALL"], add_capabilities=["NET_BIND_SERVICE"]
+            )
+        ),
+    )
+    assert status_field(await ok(cri, cid, "cat", "/proc/self/status"), "CapEff") == (
+        f"{1 << 10:016x}"
+    )
+    # A privileged container needs a privileged pod.
+    err = await rpc_error(
+        container(cri, plain, rootfs, "priv", ["true"], sec=security(privileged=True))
+    )
+    assert "no privileged container allowed in sandbox" in (err.details() or "")
+
+    priv = await run_pod(cri, pods, "runc-priv", privileged=True)
+    cid = await container(
+        cri,
+        priv,
+        rootfs,
+        "priv",
+        ["sleep", "1000"],
+        sec=security(privileged=True, seccomp=pb.SecurityProfile()),
+    )
+    status = await ok(cri, cid, "cat", "/proc/self/status")
+    assert status_field(status, "CapEff") == own_cap_bnd()
+    assert status_field(status, "Seccomp") == "0"  # privileged ignores seccomp
+    await ok(cri, cid, "brctl", "addbr", "foobar")
+    assert "null" in await ok(cri, cid, "ls", "/dev")
+
+
+async def test_no_new_privs_and_seccomp(
+    cri: pb_grpc.RuntimeServiceStub, pods: Pods, rootfs: str
+) -> None:
+    pod = await run_pod(cri, pods, "runc-seccomp")
+    cid = await container(
+        cri, pod, rootfs, "nnp", ["sleep", "1000"], sec=security(no_new_privs=True)
+    )
+    assert status_field(await ok(cri, cid, "cat", "/proc/self/status"), "NoNewPrivs") == "1"
+
+    default = await container(cri, pod, rootfs, "default", ["sleep", "1000"])
+    unconfined = await container(
+        cri,
+        pod,
+        rootfs,
+        "unconfined",
+        ["sleep", "1000"],
+        sec=security(seccomp=pb.SecurityProfile(profile_type=pb.SecurityProfile.Unconfined)),
+    )
+    unset = await container(cri, pod, rootfs, "unset", ["sleep", "1000"], sec=security())
+    assert status_field(await ok(cri, unconfined, "cat", "/proc/self/status"), "Seccomp") == "0"
+    assert status_field(await ok(cri, unset, "cat", "/proc/self/status"), "Seccomp") == "0"
+    # unshare(2) of a user namespace needs no capability; only the profile stops it.
+    await ok(cri, unconfined, "unshare", "-U", "true")
+    response = await run(cri, default, "unshare", "-U", "true")
+    assert response.exit_code != 0 and b"Operation not permitted" in response.stderr
+
+
+async def test_memory_limit_and_oom_kill(
+    cri: pb_grpc.RuntimeServiceStub, pods: Pods, rootfs: str
+) -> None:
+    pod = await run_pod(cri, pods, "runc-mem")
+    limit = 64 * 1024 * 1024
+    cid = await container(
+        cri,
+        pod,
+        rootfs,
+        "limited",
+        ["sleep", "1000"],
+        resources=pb.LinuxContainerResources(memory_limit_in_bytes=limit, cpu_shares=512),
+    )
+    inside = await ok(cri, cid, "cat", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+    assert int(inside) == limit
+    assert int(await ok(cri, cid, "cat", "/sys/fs/cgroup/cpu/cpu.shares")) == 512
+
+    oom_limit = 15 * 1024 * 1024
+    cid = await container(
+        cri,
+        pod,
+        rootfs,
+        "oom",
+        ["dd", "if=/dev/zero", "of=/dev/null", "bs=20M"],
+        resources=pb.LinuxContainerResources(
+            memory_limit_in_bytes=oom_limit, memory_swap_limit_in_bytes=oom_limit
+        ),
+    )
+    status = await Pods(cri).wait_state(cid, pb.CONTAINER_EXITED, timeout=60)
+    assert (status.exit_code, status.reason) == (137, "OOMKilled")
+
+
+async def test_exec_sync_returns_when_a_background_child_keeps_the_pipes(
+    cri: pb_grpc.RuntimeServiceStub, pods: Pods, rootfs: str
+) -> None:
+    pod = await run_pod(cri, pods, "runc-bg")
+    cid = await container(cri, pod, rootfs, "main", ["sleep", "1000"])
+    # With the pipes held by `sleep`, waiting for EOF would run into the deadline and fail
+    # with DEADLINE_EXCEEDED; the answer must come when `sh` exits.
+    response = await run(cri, cid, "sh", "-c", "sleep 600 & echo started")
+    assert (response.exit_code, response.stdout) == (0, b"started\n")
+    response = await run(cri, cid, "sh", "-c", "echo out; echo err >&2; exit 3")
+    assert (response.exit_code, response.stdout, response.stderr) == (3, b"out\n", b"err\n")
+
+
+async def test_exec_sync_timeout_kills_the_process(
+    cri: pb_grpc.RuntimeServiceStub, pods: Pods, rootfs: str
+) -> None:
+    pod = await run_pod(cri, pods, "runc-timeout")
+    cid = await container(cri, pod, rootfs, "main", ["tail", "-f", "/dev/null"])
+    err = await rpc_error(
+        cri.ExecSync(pb.ExecSyncRequest(container_id=cid, cmd=["sleep", "4321"], timeout=1))
+    )
+    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    # The timed-out process is gone from the pod's PID namespace.
+    assert await ok(cri, cid, "sh", "-c", "pidof sleep || true") == ""
+
+
+async def test_long_pod_name_and_hostname(
+    cri: pb_grpc.RuntimeServiceStub, pods: Pods, rootfs: str
+) -> None:
+    name = "n" * 200
+    pod = await run_pod(cri, pods, name)
+    cid = await container(cri, pod, rootfs, "main", ["sleep", "1000"])
+    node = socket.gethostname()
+    assert await ok(cri, cid, "hostname") == f"{node}\n"
+    assert await ok(cri, cid, "cat", "/etc/hostname") == f"{node}\n"
+    assert f"HOSTNAME={node}\n" in await ok(cri, cid, "env")
+    named = await run_pod(
+        cri,
+        pods,
+        "runc-named",
+        hostname="test-hostname",
+        dns_config=pb.DNSConfig(
+            servers=["10.10.10.10"], searches=["google.com"], options=["ndots:8"]
+        ),
+    )
+    cid = await container(cri, named, rootfs, "main", ["sleep", "1000"])
+    assert await ok(cri, cid, "hostname") == "test-hostname\n"
+    assert await ok(cri, cid, "cat", "/etc/resolv.conf") == (
+        "search google.com\nnameserver 10.10.10.10\noptions ndots:8\n"
+    )
+    # /dev/shm is the pod's: a file written by one container is seen by another.
+    other = await container(cri, named, rootfs, "other", ["sleep", "1000"])
+    await ok(cri, cid, "sh", "-c", "echo shared > /dev/shm/marker")
+    assert await ok(cri, other, "cat", "/dev/shm/marker") == "shared\n"
+
+
+async def test_log_path_cannot_leave_the_log_directory(
+    cri: pb_grpc.RuntimeServiceStub, pods: Pods, rootfs: str, tmp_path: Path
+) -> None:
+    log_dir = tmp_path / "logs"
+    log_dir.mkdir()
+    pod = await run_pod(cri, pods, "runc-logs", log_directory=str(log_dir))
+    cid = await container(
+        cri, pod, rootfs, "main", ["echo", "hello World"], log_path="../../../escape.log"
+    )
+    log = await wait_for_log(cri, cid, b"hello World")
+    assert b" stdout F hello World\n" in log
+    status = await Pods(cri).status(cid)
+    assert status.log_path == str(log_dir / "escape.log")
+
+
+async def test_removal_leaves_no_mounts_or_runc_state(
+    cri: pb_grpc.RuntimeServiceStub, rootfs: str, runtime_daemon: RuntimeDaemon
+) -> None:
+    pods = Pods(cri)
+    pod = await run_pod(cri, pods, "runc-clean")
+    cid = await container(cri, pod, rootfs, "main", ["sleep", "1000"])
+    runc_root = runtime_daemon.state_dir / "runc"
+    assert (runc_root / cid).is_dir()
+    state = str(runtime_daemon.state_dir)
+    mounts = Path("/proc/self/mountinfo").read_text()
+    assert f"{state}/run/{cid}/bundle/rootfs" in mounts
+    assert f"{state}/run/{pod.id}/shm" in mounts
+    await pods.remove_all()
+    mounts = Path("/proc/self/mountinfo").read_text()
+    assert state + "/run/" + cid not in mounts and f"{state}/run/{pod.id}" not in mounts
+    assert not (runc_root / cid).exists()
+    assert not Path(f"/sys/fs/cgroup/memory/podgate/{pod.id}").exists()
+    listed = subprocess.run(
+        ["runc", "--root", str(runc_root), "list", "-q"], capture_output=True, text=True, check=True
+    )
+    assert cid not in listed.stdout

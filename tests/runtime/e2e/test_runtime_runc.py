@@ -19,11 +19,24 @@ from pathlib import Path
 
 import grpc
 import pytest
-from runtime_e2e_support import POD_NAMESPACE, Pod, Pods, RuntimeDaemon, rpc_error, wait_for_log
+from runtime_e2e_support import (
+    POD_NAMESPACE,
+    WAIT_SECONDS,
+    Feed,
+    Pod,
+    Pods,
+    Resizes,
+    RuntimeDaemon,
+    Sink,
+    rpc_error,
+    stream_target,
+    wait_for_log,
+)
 
 from busybox_rootfs import make_rootfs
 from podgate.cri import api_pb2 as pb
 from podgate.cri import api_pb2_grpc as pb_grpc
+from podgate.streaming.client import ExecResult, exec_spdy
 
 pytestmark = [
     pytest.mark.privileged,
@@ -40,6 +53,11 @@ SECRET_VALUE = "s3cr3t-value-7f1c9a"
 EXEC_TIMEOUT = 30
 MASKED_FILE = "/etc/masked-secret"
 MASKED_TEXT = "only the image knows\n"
+# Waits until its terminal is 132x43, then says so and exits.
+WAIT_FOR_SIZE = (
+    'while :; do s=$(stty size); [ "$s" = "43 132" ] && { echo "now $s"; exit 0; }; '
+    "sleep 0.05; done"
+)
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +105,9 @@ async def container(
     envs: dict[str, str] | None = None,
     start: bool = True,
     log_path: str = "",
+    stdin: bool = False,
+    stdin_once: bool = False,
+    tty: bool = False,
 ) -> str:
     config = pb.ContainerConfig(
         metadata=pb.ContainerMetadata(name=name),
@@ -94,6 +115,9 @@ async def container(
         command=command,
         envs=[pb.KeyValue(key=k, value=v) for k, v in (envs or {}).items()],
         log_path=log_path,
+        stdin=stdin,
+        stdin_once=stdin_once,
+        tty=tty,
         linux=pb.LinuxContainerConfig(
             security_context=sec or security(seccomp=pb.SecurityProfile()),
             resources=resources,
@@ -523,3 +547,92 @@ async def test_removal_leaves_no_mounts_or_runc_state(
         ["runc", "--root", str(runc_root), "list", "-q"], capture_output=True, text=True, check=True
     )
     assert cid not in listed.stdout
+
+
+async def stream(
+    url: str,
+    *,
+    stdin: Feed | None = None,
+    stdout: Sink | None = None,
+    stderr: Sink | None = None,
+    tty: bool = False,
+    resizes: Resizes | None = None,
+) -> ExecResult:
+    endpoint, path = stream_target(url)
+    sizes = resizes.sizes() if resizes is not None else None
+    async with asyncio.timeout(WAIT_SECONDS):
+        return await exec_spdy(
+            endpoint, path, stdin=stdin, stdout=stdout, stderr=stderr, tty=tty, resizes=sizes
+        )
+
+
+async def test_streaming_exec_through_runc(
+    cri: pb_grpc.RuntimeServiceStub, pods: Pods, rootfs: str
+) -> None:
+    pod = await run_pod(cri, pods, "runc-exec")
+    cid = await container(
+        cri, pod, rootfs, "main", ["sleep", "1000"], sec=security(run_as_username="nobody")
+    )
+    request = pb.ExecRequest(
+        container_id=cid,
+        cmd=["sh", "-c", "id -u; cat; exit 5"],
+        stdin=True,
+        stdout=True,
+        stderr=True,
+    )
+    url = (await cri.Exec(request)).url
+    payload = os.urandom(100_000)
+    stdout, stderr = Sink(), Sink()
+    result = await stream(url, stdin=Feed(payload, eof=True), stdout=stdout, stderr=stderr)
+    assert result.exit_code == 5
+    assert bytes(stdout.data) == b"65534\n" + payload  # the container's user, its stdin
+    assert stderr.data == b""
+
+    script = f"stty size; {WAIT_FOR_SIZE}"
+    request = pb.ExecRequest(container_id=cid, cmd=["sh", "-c", script], stdout=True, tty=True)
+    url = (await cri.Exec(request)).url
+    resizes, stdout = Resizes(), Sink()
+    resizes.push(100, 30)
+    session = asyncio.create_task(stream(url, stdout=stdout, tty=True, resizes=resizes))
+    try:
+        await stdout.wait_for(b"30 100\r\n", session=session)
+        resizes.push(132, 43)
+        result = await session
+    finally:
+        resizes.close()
+        session.cancel()
+    assert result.exit_code == 0
+    assert bytes(stdout.data) == b"30 100\r\nnow 43 132\r\n"
+
+
+async def test_attach_through_runc(
+    cri: pb_grpc.RuntimeServiceStub, pods: Pods, rootfs: str
+) -> None:
+    pod = await run_pod(cri, pods, "runc-attach")
+    cid = await container(cri, pod, rootfs, "cat", ["cat"], stdin=True, stdin_once=True)
+    request = pb.AttachRequest(container_id=cid, stdin=True, stdout=True, stderr=True)
+    url = (await cri.Attach(request)).url
+    stdin, stdout, stderr = Feed(b"hello attach\n"), Sink(), Sink()
+    session = asyncio.create_task(stream(url, stdin=stdin, stdout=stdout, stderr=stderr))
+    try:
+        await stdout.wait_for(b"hello attach\n", session=session)
+        stdin.close()  # stdin_once: the container's stdin closes and cat exits
+        result = await session
+    finally:
+        session.cancel()
+    assert result.exit_code == 0
+    assert (await Pods(cri).wait_state(cid, pb.CONTAINER_EXITED)).exit_code == 0
+
+    # A tty container gets its terminal from runc's console socket; resizes reach it.
+    script = WAIT_FOR_SIZE
+    cid = await container(cri, pod, rootfs, "shell", ["sh", "-c", script], stdin=True, tty=True)
+    request = pb.AttachRequest(container_id=cid, stdin=True, stdout=True, tty=True)
+    url = (await cri.Attach(request)).url
+    resizes, stdout = Resizes(), Sink()
+    resizes.push(132, 43)
+    try:
+        result = await stream(url, stdin=Feed(), stdout=stdout, tty=True, resizes=resizes)
+    finally:
+        resizes.close()
+    assert result.exit_code == 0
+    assert bytes(stdout.data) == b"now 43 132\r\n"

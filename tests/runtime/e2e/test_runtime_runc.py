@@ -29,6 +29,8 @@ from runtime_e2e_support import (
     RuntimeDaemon,
     Sink,
     rpc_error,
+    running_daemon,
+    state_root,
     stream_target,
     wait_for_log,
 )
@@ -636,3 +638,25 @@ async def test_attach_through_runc(
         resizes.close()
     assert result.exit_code == 0
     assert bytes(stdout.data) == b"now 43 132\r\n"
+
+
+async def test_runc_containers_survive_a_killed_daemon(rootfs: str) -> None:
+    with state_root() as root:
+        first = RuntimeDaemon.start(root / "s", root / "daemon.log")
+        try:
+            async with first.connect() as rt:
+                pod = await run_pod(rt, Pods(rt), "runc-survivor")
+                cid = await container(rt, pod, rootfs, "main", ["sleep", "1000"])
+                exits = await container(rt, pod, rootfs, "exits", ["sh", "-c", "sleep 2; exit 7"])
+        finally:
+            first.kill()
+        await asyncio.sleep(3)  # `exits` ends while no daemon runs; its shim records it
+        with running_daemon(root) as second:
+            async with second.connect() as rt:
+                pods = Pods(rt)
+                assert (await pods.status(cid)).state == pb.CONTAINER_RUNNING
+                assert await ok(rt, cid, "echo", "adopted") == "adopted\n"
+                status = await pods.status(exits)
+                assert (status.state, status.exit_code) == (pb.CONTAINER_EXITED, 7)
+                await rt.RemovePodSandbox(pb.RemovePodSandboxRequest(pod_sandbox_id=pod.id))
+                assert f"{root}/s/run/{cid}" not in Path("/proc/self/mountinfo").read_text()

@@ -147,6 +147,8 @@ class ContainerRecord:
     process: ProcessRef | None = None  # the container's main process, host pid
     labels: dict[str, str] = field(default_factory=dict)
     annotations: dict[str, str] = field(default_factory=dict)
+    # The identity the container's process got: {"uid", "gid", "additionalGids"} (OCI names).
+    user: dict[str, Any] | None = None
 
 
 def to_json(record: PodRecord | ContainerRecord) -> dict[str, Any]:
@@ -208,4 +210,5 @@ def container_from_json(data: dict[str, Any]) -> ContainerRecord:
         process=ProcessRef(**data["process"]) if data.get("process") else None,
         labels=dict(data.get("labels", {})),
         annotations=dict(data.get("annotations", {})),
+        user=data.get("user"),
     )

@@ -373,10 +373,15 @@ def test_package_and_service_names_are_upstream() -> None:
         "RemoveContainer",
         "ListContainers",
         "ContainerStatus",
+        "UpdateContainerResources",
+        "ReopenContainerLog",
         "ExecSync",
         "Exec",
         "Attach",
         "PortForward",
+        "ContainerStats",
+        "ListContainerStats",
+        "RuntimeConfig",
     }
     assert runtime.methods_by_name["Exec"].input_type.full_name == "runtime.v1.ExecRequest"
     assert {m.name for m in image.methods} == {
@@ -1099,7 +1104,7 @@ async def test_image_fs_info_without_path_is_empty() -> None:
 
 async def test_unserved_methods_are_unimplemented(cri: Cri) -> None:
     stats = cri.channel.unary_unary(
-        "/runtime.v1.RuntimeService/ListContainerStats",
+        "/runtime.v1.RuntimeService/PodSandboxStats",
         request_serializer=lambda b: b,
         response_deserializer=lambda b: b,
     )

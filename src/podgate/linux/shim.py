@@ -628,6 +628,19 @@ class _Shim:
         self.output_done: dict[str, asyncio.Future[None]] = {}
         self.exit_code: int | None = None  # set once clients are being sent EXIT
 
+    def _reopen_log(self) -> None:
+        """The kubelet's rotation renamed the log: continue in a new file at its path."""
+        if not self.spec.log_file:
+            return
+        try:
+            new = open(self.spec.log_file, "ab", buffering=0)  # noqa: SIM115 - kept open
+        except OSError as exc:
+            print(f"shim: reopening the log failed: {exc}", file=sys.stderr)
+            return
+        old, self.log = self.log, new
+        if old is not None:
+            old.close()
+
     def _write_log(self, entry: bytes) -> None:
         if self.log is None:
             return
@@ -648,6 +661,8 @@ class _Shim:
         pidfd = os.pidfd_open(self.pid)
         loop.add_reader(pidfd, _resolve, exited)
         server = await asyncio.start_unix_server(self._serve_client, sock=self.listener)
+        loop.add_signal_handler(signal.SIGUSR1, self._reopen_log)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
         try:
             await exited
             loop.remove_reader(pidfd)
@@ -827,6 +842,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 os.unlink(spec.attach_socket)
         atomic_write_json(spec.ready_file, {"error": message})
         return 1
+    # SIGUSR1 (reopen the log) stays pending until the event loop handles it; blocked only
+    # now, so the container never inherits the mask. The runtime learns our pid below.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
     shim = process_ref(os.getpid())
     container = process_ref(pid)
     atomic_write_json(

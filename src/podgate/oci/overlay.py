@@ -9,7 +9,7 @@ import os
 from collections.abc import Sequence
 from typing import Final
 
-__all__ = ["MAX_MOUNT_DATA", "OverlayError", "is_mounted", "mount_overlay", "unmount"]
+__all__ = ["MAX_MOUNT_DATA", "OverlayError", "disk_usage", "is_mounted", "mount_overlay", "unmount"]
 
 # The kernel copies at most one page of mount options.
 MAX_MOUNT_DATA: Final = 4095
@@ -65,3 +65,22 @@ def unmount(target: str) -> None:
             if err in (errno.EINVAL, errno.ENOENT):
                 return
             raise OverlayError(err, f"unmount {target}: {os.strerror(err)}")
+
+
+def disk_usage(path: str) -> tuple[int, int]:
+    """(bytes in allocated blocks, inodes) of a directory tree, hard links counted once; a
+    tree changing underneath is measured as far as it can be."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for directory, dirs, files in os.walk(path):
+        for name in (*dirs, *files):
+            try:
+                st = os.lstat(os.path.join(directory, name))
+            except OSError:
+                continue
+            key = (st.st_dev, st.st_ino)
+            if key in seen:
+                continue
+            seen.add(key)
+            total += st.st_blocks * 512
+    return total, len(seen)

@@ -30,6 +30,7 @@ __all__ = [
     "build_spec",
     "cgroups_path",
     "exec_process",
+    "linux_resources",
     "process_args",
 ]
 
@@ -316,6 +317,13 @@ def _namespaces(spec: ContainerSpec, pod: PodEnv, host: HostInfo, privileged: bo
     if host.cgroup_v2 and not privileged:
         namespaces.append({"type": "cgroup"})
     return namespaces
+
+
+def linux_resources(spec: ContainerSpec, host: HostInfo) -> dict[str, Any]:
+    """linux.resources (cpu, memory) of a container's CRI resources; zero values left out."""
+    out: dict[str, Any] = _resources(spec, host, ())
+    out.pop("devices")
+    return out
 
 
 def _resources(spec: ContainerSpec, host: HostInfo, devices: Sequence[dict[str, Any]]) -> Any:

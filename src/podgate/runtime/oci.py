@@ -235,6 +235,34 @@ class OciContainers:
         except (OSError, KeyError, ValueError):
             return ""
 
+    def user(self, run: Path) -> dict[str, Any] | None:
+        """The identity config.json gives the container's process."""
+        try:
+            user: dict[str, Any] = _read_config(self.bundle_dir(run))["process"]["user"]
+        except (OSError, KeyError, ValueError):
+            return None
+        return user
+
+    async def update(
+        self, container: ContainerRecord, run: Path, resources: dict[str, Any], running: bool
+    ) -> None:
+        """New limits into config.json, and into the live cgroup (`runc update`) if running."""
+        bundle = self.bundle_dir(run)
+        config = _read_config(bundle)
+        updated = dataclasses.replace(container.spec, resources=resources)
+        new = spec.linux_resources(updated, self.host)
+        new["devices"] = config["linux"]["resources"].get("devices", [])
+        config["linux"]["resources"] = new
+        config["process"]["oomScoreAdj"] = int(resources.get("oom_score_adj") or 0)
+        bundle_mod.write_json(str(bundle / "config.json"), config)
+        if running:
+            path = run / "resources.json"
+            bundle_mod.write_json(str(path), {k: v for k, v in new.items() if k != "devices"})
+            try:
+                await self.runc(container.id, run).update(container.id, str(path))
+            except RuncError as exc:
+                raise OciError(f"failed to update resources: {exc}") from exc
+
     def remove(self, container: ContainerRecord, run: Path) -> None:
         """Kill what is left (runc delete --force), unmount the root, drop the bundle."""
         runc = self.runc(container.id, run)

@@ -31,10 +31,12 @@ from podgate.model import (
     PodRecord,
     PodState,
 )
+from podgate.oci import cgroups, overlay
 from podgate.oci.securejoin import secure_join
 from podgate.proto import remotecommand as rc
 from podgate.proto.upgrade import StreamKind
 from podgate.runtime.api import (
+    ContainerUsage,
     DeadlineExceededError,
     ExecSyncResult,
     FailedPreconditionError,
@@ -61,6 +63,8 @@ EXEC_SYNC_MAX_OUTPUT = 16 * 1024 * 1024
 EXEC_SYNC_DRAIN_SECONDS = 0.5
 # How long an exec helper gets to kill its process after SIGTERM, seconds.
 EXEC_KILL_GRACE_SECONDS = 2.0
+# How long a shim may take to reopen a container's log file, seconds.
+REOPEN_LOG_SECONDS = 5.0
 # Grace given to containers still running when their pod is stopped.
 POD_STOP_GRACE_SECONDS = 2.0
 # How long a stopped process may take to disappear after SIGKILL.
@@ -88,6 +92,8 @@ class Runtime:
         self.pod_cidr = ""
         self.nri: RuntimeNri | None = None  # NRI events (and pod networking) when enabled
         self._locks: dict[str, asyncio.Lock] = {}
+        # The last CPU reading per container: (ns since the epoch, CPU ns), for nano-cores.
+        self._cpu_samples: dict[str, tuple[int, int]] = {}
 
     # ------------------------------------------------------------------ startup
     def load(self) -> None:
@@ -355,6 +361,7 @@ class Runtime:
             except OciError as exc:
                 self.store.remove_run_path(container_id)
                 raise InvalidArgumentError(f"failed to create container: {exc}") from exc
+            container.user = self.oci.user(run)
         self.containers[container_id] = container
         self.store.save_container(container)
         if self.nri is not None:
@@ -539,6 +546,82 @@ class Runtime:
         finally:
             if cleanup:
                 discard(cleanup)
+
+    # ------------------------------------------------------------------ resources, stats, logs
+    async def container_usage(self, container: ContainerRecord) -> ContainerUsage:
+        """CPU and memory from the container's cgroup, the writable layer from its upper
+        directory. A container without a root has no cgroup of its own: zeros."""
+        run = self.store.run_path(container.id)
+        cgroup = self.oci.cgroup(run) if container.spec.rootfs else ""
+        if not cgroup:
+            return ContainerUsage(timestamp=now_ns(), writable_mountpoint=str(self.store.root))
+        sample = await asyncio.to_thread(cgroups.stats, cgroup)
+        upper = self.oci.bundle_dir(run) / "upper"
+        used, inodes = await asyncio.to_thread(overlay.disk_usage, str(upper))
+        limit = await asyncio.to_thread(cgroups.memory_limit, cgroup)
+        previous = self._cpu_samples.get(container.id)
+        self._cpu_samples[container.id] = (sample.timestamp, sample.cpu_usage_ns)
+        nano_cores = None
+        if previous is not None and sample.timestamp > previous[0]:
+            delta = max(sample.cpu_usage_ns - previous[1], 0)
+            nano_cores = delta * 1_000_000_000 // (sample.timestamp - previous[0])
+        return ContainerUsage(
+            timestamp=sample.timestamp,
+            cpu_usage_ns=sample.cpu_usage_ns,
+            cpu_nano_cores=nano_cores,
+            memory_usage=sample.memory_usage,
+            memory_working_set=sample.memory_working_set,
+            memory_rss=sample.memory_rss,
+            memory_available=max(limit - sample.memory_working_set, 0) if limit else None,
+            page_faults=sample.page_faults,
+            major_page_faults=sample.major_page_faults,
+            writable_mountpoint=str(upper),
+            writable_bytes=used,
+            writable_inodes=inodes,
+        )
+
+    async def update_container_resources(
+        self, container_id: str, resources: Mapping[str, object]
+    ) -> None:
+        container = self.get_container(container_id)
+        if not container.spec.rootfs:
+            raise FailedPreconditionError(
+                f"container {container.id} has no root of its own (no cgroup to update)"
+            )
+        async with self._lock(container.id):
+            if container.state not in (ContainerState.CREATED, ContainerState.RUNNING):
+                raise FailedPreconditionError(
+                    f"container {container.id} is {container.state.value}"
+                )
+            merged = dict(container.spec.resources)
+            merged.update({k: v for k, v in resources.items() if v})  # zero = unchanged
+            try:
+                await self.oci.update(
+                    container,
+                    self.store.run_path(container.id),
+                    merged,
+                    running=container.state is ContainerState.RUNNING,
+                )
+            except OciError as exc:
+                raise FailedPreconditionError(str(exc)) from exc
+            container.spec.resources = merged
+            self.store.save_container(container)
+
+    async def reopen_container_log(self, container_id: str) -> None:
+        container = self.get_container(container_id)
+        if container.state is not ContainerState.RUNNING or container.shim is None:
+            raise FailedPreconditionError("container is not running")
+        if not container.log_file:
+            return
+        if not signal_process(container.shim, signal.SIGUSR1):
+            raise FailedPreconditionError("container is not running")
+        deadline = time.monotonic() + REOPEN_LOG_SECONDS
+        while not await asyncio.to_thread(os.path.exists, container.log_file):
+            if time.monotonic() >= deadline:
+                raise FailedPreconditionError(
+                    f"the container's shim did not reopen {container.log_file}"
+                )
+            await asyncio.sleep(0.01)
 
     # ------------------------------------------------------------------ streaming URLs
     def pod_ref(self, pod: PodRecord) -> PodRef:

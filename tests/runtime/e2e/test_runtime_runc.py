@@ -9,6 +9,7 @@ log, and compares with what containerd gives (the shared docs, reference/images-
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import shutil
@@ -187,6 +188,12 @@ async def test_container_is_isolated_from_the_node(
     assert status_field(status, "CapInh") == "0000000000000000"
     assert status_field(status, "Seccomp") == "2"
     assert status_field(status, "NoNewPrivs") == "0"
+    # The main process blocks no signal (nothing of the shim's mask leaks into it).
+    info = await cri.ContainerStatus(pb.ContainerStatusRequest(container_id=cid, verbose=True))
+    main_pid = json.loads(info.info["info"])["pid"]
+    host_status = Path(f"/proc/{main_pid}/status").read_text()
+    assert "sleep" in status_field(host_status, "Name")
+    assert status_field(host_status, "SigBlk") == "0" * 16
 
     # An exec'd process has only stdin, stdout and stderr: the shell lists its own fds (the
     # trailing `true` keeps it from exec'ing ls, whose directory would be fd 3).
@@ -590,7 +597,8 @@ async def test_streaming_exec_through_runc(
     assert bytes(stdout.data) == b"65534\n" + payload  # the container's user, its stdin
     assert stderr.data == b""
 
-    script = f"stty size; {WAIT_FOR_SIZE}"
+    # runc applies the client's first size just after the process started: wait for it.
+    script = f'while [ "$(stty size)" = "0 0" ]; do sleep 0.05; done; stty size; {WAIT_FOR_SIZE}'
     request = pb.ExecRequest(container_id=cid, cmd=["sh", "-c", script], stdout=True, tty=True)
     url = (await cri.Exec(request)).url
     resizes, stdout = Resizes(), Sink()
@@ -660,3 +668,99 @@ async def test_runc_containers_survive_a_killed_daemon(rootfs: str) -> None:
                 assert (status.state, status.exit_code) == (pb.CONTAINER_EXITED, 7)
                 await rt.RemovePodSandbox(pb.RemovePodSandboxRequest(pod_sandbox_id=pod.id))
                 assert f"{root}/s/run/{cid}" not in Path("/proc/self/mountinfo").read_text()
+
+
+async def test_stats_update_and_status(
+    cri: pb_grpc.RuntimeServiceStub, pods: Pods, rootfs: str
+) -> None:
+    pod = await run_pod(cri, pods, "runc-stats")
+    # 20 MiB written into the root land in the upper dir: the writable layer grows.
+    cid = await container(
+        cri,
+        pod,
+        rootfs,
+        "container-for-stats-1",
+        ["sh", "-c", "dd if=/dev/zero of=/blob bs=1M count=20 && echo written && sleep 1000"],
+        resources=pb.LinuxContainerResources(memory_limit_in_bytes=256 * 1024 * 1024),
+    )
+    await wait_for_log(cri, cid, b"written")
+    first = (await cri.ContainerStats(pb.ContainerStatsRequest(container_id=cid))).stats
+    assert first.attributes.id == cid
+    assert first.attributes.metadata.name == "container-for-stats-1"
+    assert first.cpu.timestamp > 0 and first.memory.timestamp > 0
+    assert first.cpu.usage_core_nano_seconds.value > 0  # dd ran in this cgroup
+    assert first.memory.usage_bytes.value > 0
+    assert first.memory.available_bytes.value == (
+        256 * 1024 * 1024 - first.memory.working_set_bytes.value
+    )
+    assert first.writable_layer.used_bytes.value >= 20 * 1024 * 1024
+    assert first.writable_layer.inodes_used.value >= 1
+    await ok(cri, cid, "sh", "-c", "i=0; while [ $i -lt 20000 ]; do i=$((i+1)); done")
+    second = (await cri.ContainerStats(pb.ContainerStatsRequest(container_id=cid))).stats
+    assert second.cpu.usage_core_nano_seconds.value > first.cpu.usage_core_nano_seconds.value
+    assert second.cpu.HasField("usage_nano_cores")  # a rate needs two samples
+
+    other = await container(cri, pod, rootfs, "other", ["sleep", "1000"])
+    listed = await cri.ListContainerStats(
+        pb.ListContainerStatsRequest(filter=pb.ContainerStatsFilter(pod_sandbox_id=pod.id))
+    )
+    assert {s.attributes.id for s in listed.stats} == {cid, other}
+    one = await cri.ListContainerStats(
+        pb.ListContainerStatsRequest(filter=pb.ContainerStatsFilter(id=other))
+    )
+    assert [s.attributes.id for s in one.stats] == [other]
+
+    # UpdateContainerResources reaches the live cgroup and ContainerStatus.
+    limit = 128 * 1024 * 1024
+    await cri.UpdateContainerResources(
+        pb.UpdateContainerResourcesRequest(
+            container_id=other,
+            linux=pb.LinuxContainerResources(memory_limit_in_bytes=limit, cpu_shares=256),
+        )
+    )
+    assert int(await ok(cri, other, "cat", "/sys/fs/cgroup/memory/memory.limit_in_bytes")) == limit
+    assert int(await ok(cri, other, "cat", "/sys/fs/cgroup/cpu/cpu.shares")) == 256
+    status = await Pods(cri).status(other)
+    assert status.resources.linux.memory_limit_in_bytes == limit
+    assert status.resources.linux.cpu_shares == 256
+    assert (status.user.linux.uid, status.user.linux.gid) == (0, 0)
+
+    config = await cri.RuntimeConfig(pb.RuntimeConfigRequest())
+    assert config.linux.cgroup_driver == pb.CGROUPFS
+    runtime_status = await cri.Status(pb.StatusRequest())
+    assert "" in [h.name for h in runtime_status.runtime_handlers]
+    assert runtime_status.features.supplemental_groups_policy
+
+
+async def test_reopen_container_log(
+    cri: pb_grpc.RuntimeServiceStub, pods: Pods, rootfs: str, tmp_path: Path
+) -> None:
+    log_dir = tmp_path / "logs"
+    pod = await run_pod(cri, pods, "runc-reopen", log_directory=str(log_dir))
+    cid = await container(
+        cri,
+        pod,
+        rootfs,
+        "talker",
+        ["sh", "-c", "i=0; while true; do echo line $i; i=$((i+1)); sleep 0.1; done"],
+        log_path="talker.log",
+    )
+    await wait_for_log(cri, cid, b"line 2\n")
+    live = log_dir / "talker.log"
+    rotated = log_dir / "talker.log.20260101-000000"
+    live.rename(rotated)
+    await cri.ReopenContainerLog(pb.ReopenContainerLogRequest(container_id=cid))
+    assert live.exists()  # the contract: the new file is there when the call returns
+    await wait_for_log(cri, cid, b"F line")
+    size = rotated.stat().st_size
+    await wait_for_log(cri, cid, b"F line", timeout=WAIT_SECONDS)
+    new_lines = live.read_bytes()
+    await asyncio.sleep(1)
+    assert rotated.stat().st_size == size  # the old file stopped growing
+    assert b"line" in new_lines
+    # Not running: an error, and no file is created.
+    await cri.StopContainer(pb.StopContainerRequest(container_id=cid, timeout=0))
+    live.unlink()
+    err = await rpc_error(cri.ReopenContainerLog(pb.ReopenContainerLogRequest(container_id=cid)))
+    assert "container is not running" in (err.details() or "")
+    assert not live.exists()

@@ -22,7 +22,7 @@ from podgate.model import (
     PodRecord,
     PodState,
 )
-from podgate.runtime.api import InvalidArgumentError, PodConfig, RuntimeCondition
+from podgate.runtime.api import ContainerUsage, InvalidArgumentError, PodConfig, RuntimeCondition
 
 # Ports are 16-bit and port 0 cannot be connected to.
 MIN_PORT = 1
@@ -233,7 +233,7 @@ def container_request(request: pb.CreateContainerRequest) -> ContainerRequest:
         seccomp_ref=security.seccomp.localhost_ref if security.HasField("seccomp") else "",
         apparmor=_profile_type(security, "apparmor", "apparmor_profile"),
         apparmor_ref=security.apparmor.localhost_ref if security.HasField("apparmor") else "",
-        resources=_resources(config.linux.resources),
+        resources=resources(config.linux.resources),
         devices=[
             {
                 "container_path": d.container_path,
@@ -268,7 +268,8 @@ def _profile_type(security: pb.LinuxContainerSecurityContext, name: str, legacy:
     return str(getattr(security, legacy))
 
 
-def _resources(resources: pb.LinuxContainerResources) -> dict[str, Any]:
+def resources(resources: pb.LinuxContainerResources) -> dict[str, Any]:
+    """The CRI resources podgate applies, zero values left out."""
     out: dict[str, Any] = {}
     for name in (
         "cpu_period",
@@ -409,7 +410,23 @@ def container_status(record: ContainerRecord) -> pb.ContainerStatus:
         mounts=[mount_from_dict(mount) for mount in record.spec.mounts],
         log_path=record.log_file,
         image_id=image,
+        resources=pb.ContainerResources(linux=_linux_resources(record.spec.resources))
+        if record.spec.resources
+        else None,
+        user=pb.ContainerUser(
+            linux=pb.LinuxContainerUser(
+                uid=record.user["uid"],
+                gid=record.user["gid"],
+                supplemental_groups=record.user.get("additionalGids", []),
+            )
+        )
+        if record.user
+        else None,
     )
+
+
+def _linux_resources(values: Mapping[str, Any]) -> pb.LinuxContainerResources:
+    return pb.LinuxContainerResources(**dict(values))
 
 
 def container_info(record: ContainerRecord) -> dict[str, str]:
@@ -421,6 +438,41 @@ def container_info(record: ContainerRecord) -> dict[str, str]:
         "config": asdict(record.spec),
     }
     return {"info": json.dumps(info, sort_keys=True, default=str)}
+
+
+def _u64(value: int | None) -> pb.UInt64Value | None:
+    return None if value is None else pb.UInt64Value(value=max(value, 0))
+
+
+def container_stats(record: ContainerRecord, usage: ContainerUsage) -> pb.ContainerStats:
+    return pb.ContainerStats(
+        attributes=pb.ContainerAttributes(
+            id=record.id,
+            metadata=container_metadata(record.metadata),
+            labels=record.labels,
+            annotations=record.annotations,
+        ),
+        cpu=pb.CpuUsage(
+            timestamp=usage.timestamp,
+            usage_core_nano_seconds=_u64(usage.cpu_usage_ns),
+            usage_nano_cores=_u64(usage.cpu_nano_cores),
+        ),
+        memory=pb.MemoryUsage(
+            timestamp=usage.timestamp,
+            working_set_bytes=_u64(usage.memory_working_set),
+            available_bytes=_u64(usage.memory_available),
+            usage_bytes=_u64(usage.memory_usage),
+            rss_bytes=_u64(usage.memory_rss),
+            page_faults=_u64(usage.page_faults),
+            major_page_faults=_u64(usage.major_page_faults),
+        ),
+        writable_layer=pb.FilesystemUsage(
+            timestamp=usage.timestamp,
+            fs_id=pb.FilesystemIdentifier(mountpoint=usage.writable_mountpoint),
+            used_bytes=_u64(usage.writable_bytes),
+            inodes_used=_u64(usage.writable_inodes),
+        ),
+    )
 
 
 def runtime_condition(condition: RuntimeCondition) -> pb.RuntimeCondition:

@@ -764,3 +764,128 @@ async def test_reopen_container_log(
     err = await rpc_error(cri.ReopenContainerLog(pb.ReopenContainerLogRequest(container_id=cid)))
     assert "container is not running" in (err.details() or "")
     assert not live.exists()
+
+
+async def test_kubelet_mounts_need_no_destination_in_the_image(
+    cri: pb_grpc.RuntimeServiceStub, pods: Pods, rootfs: str, tmp_path: Path
+) -> None:
+    termination = tmp_path / "termination-log"
+    termination.write_bytes(b"")
+    os.chmod(termination, 0o666)
+    token_dir = tmp_path / "serviceaccount"
+    token_dir.mkdir()
+    (token_dir / "token").write_text("tok")
+    pod = await run_pod(cri, pods, "runc-kubelet")
+    mounts = [
+        pb.Mount(container_path="/dev/termination-log", host_path=str(termination)),
+        pb.Mount(
+            container_path="/var/run/secrets/kubernetes.io/serviceaccount",
+            host_path=str(token_dir),
+            readonly=True,
+        ),
+    ]
+    config = pb.ContainerConfig(
+        metadata=pb.ContainerMetadata(name="main"),
+        image=pb.ImageSpec(image=rootfs),
+        command=["sleep", "1000"],
+        mounts=mounts,
+        linux=pb.LinuxContainerConfig(security_context=security(seccomp=pb.SecurityProfile())),
+    )
+    cid = (
+        await cri.CreateContainer(
+            pb.CreateContainerRequest(
+                pod_sandbox_id=pod.id, config=config, sandbox_config=pod.config
+            )
+        )
+    ).container_id
+    await cri.StartContainer(pb.StartContainerRequest(container_id=cid))
+    await ok(cri, cid, "sh", "-c", "echo finished > /dev/termination-log")
+    assert termination.read_text() == "finished\n"
+    assert await ok(cri, cid, "cat", "/var/run/secrets/kubernetes.io/serviceaccount/token") == "tok"
+    response = await run(cri, cid, "touch", "/var/run/secrets/kubernetes.io/serviceaccount/x")
+    assert b"Read-only file system" in response.stderr
+    assert not Path(rootfs, "var").exists()  # destinations were made in the upper dir only
+    status = await Pods(cri).status(cid)
+    assert [(m.container_path, m.host_path, m.readonly) for m in status.mounts] == [
+        ("/dev/termination-log", str(termination), False),
+        ("/var/run/secrets/kubernetes.io/serviceaccount", str(token_dir), True),
+    ]
+
+
+@pytest.mark.parametrize("mode", ["POD", "CONTAINER", "NODE"])
+async def test_pid_namespace_modes(
+    cri: pb_grpc.RuntimeServiceStub, pods: Pods, rootfs: str, mode: str
+) -> None:
+    options = pb.NamespaceOption(pid=pb.NamespaceMode.Value(mode))
+    config = pb.PodSandboxConfig(
+        metadata=pb.PodSandboxMetadata(
+            name=f"runc-pid-{mode.lower()}", namespace=POD_NAMESPACE, uid=os.urandom(8).hex()
+        ),
+        linux=pb.LinuxPodSandboxConfig(
+            security_context=pb.LinuxSandboxSecurityContext(namespace_options=options)
+        ),
+    )
+    pod_id = (await cri.RunPodSandbox(pb.RunPodSandboxRequest(config=config))).pod_sandbox_id
+    pods.created.append(pod_id)
+    pod = Pod(pod_id, config)
+    cid = await container(
+        cri,
+        pod,
+        rootfs,
+        "main",
+        ["sleep", "1000"],
+        sec=security(namespace_options=options, seccomp=pb.SecurityProfile()),
+    )
+    pid1 = await ok(cri, cid, "cat", "/proc/1/cmdline")
+    count = len((await ok(cri, cid, "ps", "-o", "pid")).split()) - 1
+    if mode == "POD":
+        assert "python" in pid1  # the pod holder is PID 1 of the shared namespace
+    elif mode == "CONTAINER":
+        assert pid1 == "sleep\0001000\0"  # the container's own init
+    else:
+        assert count > 20  # the node's processes
+    if mode != "NODE":
+        assert count <= 4
+
+
+async def test_seccomp_localhost_profile(
+    cri: pb_grpc.RuntimeServiceStub, pods: Pods, rootfs: str, tmp_path: Path
+) -> None:
+    profile = tmp_path / "block-chmod.json"
+    profile.write_text(
+        json.dumps(
+            {
+                "defaultAction": "SCMP_ACT_ALLOW",
+                "syscalls": [{"names": ["chmod", "fchmodat"], "action": "SCMP_ACT_ERRNO"}],
+            }
+        )
+    )
+    pod = await run_pod(cri, pods, "runc-localhost")
+    localhost = pb.SecurityProfile(
+        profile_type=pb.SecurityProfile.Localhost, localhost_ref=str(profile)
+    )
+    cid = await container(
+        cri, pod, rootfs, "main", ["sleep", "1000"], sec=security(seccomp=localhost)
+    )
+    response = await run(cri, cid, "chmod", "400", "/")
+    assert response.exit_code != 0 and b"Operation not permitted" in response.stderr
+    # SYS_ADMIN and no filter: sethostname works (in the pod's UTS namespace).
+    cid = await container(
+        cri,
+        pod,
+        rootfs,
+        "admin",
+        ["sleep", "1000"],
+        sec=security(
+            seccomp=pb.SecurityProfile(profile_type=pb.SecurityProfile.Unconfined),
+            capabilities=pb.Capability(add_capabilities=["SYS_ADMIN"]),
+        ),
+    )
+    await ok(cri, cid, "hostname", "ANewHostName")
+    missing = pb.SecurityProfile(
+        profile_type=pb.SecurityProfile.Localhost, localhost_ref=str(tmp_path / "none.json")
+    )
+    err = await rpc_error(
+        container(cri, pod, rootfs, "bad", ["true"], sec=security(seccomp=missing))
+    )
+    assert "cannot load seccomp profile" in (err.details() or "")

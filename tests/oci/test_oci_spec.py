@@ -285,3 +285,28 @@ def test_exec_process_keeps_identity() -> None:
     for key in ("user", "env", "cwd", "capabilities", "noNewPrivileges"):
         assert process[key] == config["process"][key]
     assert "oomScoreAdj" not in process
+
+
+def test_pod_sysctls() -> None:
+    got = spec.pod_sysctls({"kernel.shm_rmid_forced": "1"}, host_network=False, host_ipc=False)
+    assert got == {
+        "net.ipv4.ip_unprivileged_port_start": "0",
+        "net.ipv4.ping_group_range": "0 2147483647",
+        "kernel.shm_rmid_forced": "1",
+    }
+    override = {"net.ipv4.ip_unprivileged_port_start": "1024"}
+    assert (
+        spec.pod_sysctls(override, host_network=False, host_ipc=False)[
+            "net.ipv4.ip_unprivileged_port_start"
+        ]
+        == "1024"
+    )
+    assert spec.pod_sysctls({}, host_network=True, host_ipc=False) == {}
+    for key, kw, message in (
+        ("kernel.panic", {}, "not in a separate kernel namespace"),
+        ("net.core.somaxconn", {"host_network": True}, "host network"),
+        ("fs.mqueue.msg_max", {"host_ipc": True}, "host's IPC namespace"),
+    ):
+        flags = {"host_network": False, "host_ipc": False, **kw}
+        with pytest.raises(spec.SpecError, match=message):
+            spec.pod_sysctls({key: "1"}, **flags)

@@ -103,6 +103,17 @@ def _run_pid_ns(ready_file: str) -> int:
             return _exit_code(status)
 
 
+def _set_sysctl(key: str, value: str) -> None:
+    """Write a sysctl of our own (new) namespaces: /proc/sys/net and the IPC keys follow the
+    writer's namespaces."""
+    path = "/proc/sys/" + key.replace(".", "/")
+    try:
+        with open(path, "w", encoding="ascii") as f:
+            f.write(value)
+    except OSError as exc:
+        raise OSError(exc.errno, f"sysctl {key}={value}: {exc.strerror}") from exc
+
+
 def _noop_handler(signum: int, frame: object) -> None:
     del signum, frame
 
@@ -118,6 +129,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--hostname", default="")
     parser.add_argument("--pid-ns", action="store_true", help="also a new PID namespace")
     parser.add_argument("--foreground", action="store_true", help="do not fork away")
+    parser.add_argument(
+        "--sysctl", action="append", default=[], metavar="KEY=VALUE", help="namespaced sysctl"
+    )
     args = parser.parse_args(argv)
 
     # Handlers keep the signals from being ignored; blocking routes them to sigwait.
@@ -134,6 +148,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.hostname:
             socket.sethostname(args.hostname)
         ns.set_link_up("lo")
+        for item in args.sysctl:
+            _set_sysctl(*item.split("=", 1))
     except OSError as exc:
         message = f"pod holder setup failed: {exc}"
         print(message, file=sys.stderr)
@@ -151,6 +167,7 @@ async def start_holder(
     ready_file: str,
     log_file: str,
     *,
+    sysctls: dict[str, str] | None = None,
     timeout: float = HOLDER_START_TIMEOUT,
 ) -> tuple[ProcessRef, ProcessRef]:
     """Start a detached holder and wait for it; returns (holder, namespace process) refs.
@@ -166,6 +183,8 @@ async def start_holder(
         argv += ["--hostname", hostname]
     if pid_ns:
         argv.append("--pid-ns")
+    for key, value in (sysctls or {}).items():
+        argv += ["--sysctl", f"{key}={value}"]
     try:
         await spawn_detached(argv, log_file)
         data = await wait_ready_file(ready_file, timeout, log_file)

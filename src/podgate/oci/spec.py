@@ -31,6 +31,7 @@ __all__ = [
     "cgroups_path",
     "exec_process",
     "linux_resources",
+    "pod_sysctls",
     "process_args",
 ]
 
@@ -555,3 +556,50 @@ def caps_mask(names: Sequence[str]) -> int:
     for name in names:
         mask |= 1 << CAPABILITY_NUMBERS[_cap_name(name)]
     return mask
+
+
+# IPC-namespaced sysctls (runc's list), and the prefixes of namespaced families.
+_IPC_SYSCTLS: Final = frozenset(
+    {
+        "kernel.msgmax",
+        "kernel.msgmnb",
+        "kernel.msgmni",
+        "kernel.sem",
+        "kernel.shmall",
+        "kernel.shmmax",
+        "kernel.shmmni",
+        "kernel.shm_rmid_forced",
+    }
+)
+# containerd 2.0 sets these for pods with their own network unless the pod does.
+DEFAULT_POD_SYSCTLS: Final = (
+    ("net.ipv4.ip_unprivileged_port_start", "0"),
+    ("net.ipv4.ping_group_range", "0 2147483647"),
+)
+
+
+def pod_sysctls(
+    requested: Mapping[str, str], *, host_network: bool, host_ipc: bool
+) -> dict[str, str]:
+    """The sysctls a pod's namespaces get: containerd's defaults, then the requested ones.
+    Only namespaced keys are allowed (runc's rules), and not for a namespace shared with the
+    node; anything else is a SpecError."""
+    result: dict[str, str] = {}
+    if not host_network:
+        result.update(DEFAULT_POD_SYSCTLS)
+    for key, value in requested.items():
+        name = key.replace("/", ".")
+        if name in _IPC_SYSCTLS or name.startswith("fs.mqueue."):
+            if host_ipc:
+                raise SpecError(
+                    f"sysctl {key!r} is not allowed as it conflicts with the host's IPC namespace"
+                )
+        elif name.startswith("net."):
+            if host_network:
+                raise SpecError(f"sysctl {key!r} not allowed in host network namespace")
+        else:
+            raise SpecError(f"sysctl {key!r} is not in a separate kernel namespace")
+        if "\n" in value or ".." in name.split("."):
+            raise SpecError(f"sysctl {key!r}: invalid value")
+        result[name] = value
+    return result

@@ -33,6 +33,7 @@ from podgate.model import (
 )
 from podgate.oci import cgroups, overlay
 from podgate.oci.securejoin import secure_join
+from podgate.oci.spec import SpecError, pod_sysctls
 from podgate.proto import remotecommand as rc
 from podgate.proto.upgrade import StreamKind
 from podgate.runtime.api import (
@@ -226,14 +227,27 @@ class Runtime:
             dns=config.dns,
             sysctls=dict(config.sysctls),
         )
+        try:
+            sysctls = pod_sysctls(
+                config.sysctls,
+                host_network=pod.network_mode is NamespaceMode.NODE,
+                host_ipc=pod.ipc_mode is NamespaceMode.NODE,
+            )
+        except SpecError as exc:
+            raise InvalidArgumentError(str(exc)) from exc
         run = self.store.run_path(pod_id)
         async with self._lock(pod_id):
-            holder, ns_process = await holder_mod.start_holder(
-                hostname=pod.hostname,
-                pid_ns=pod.pid_mode is NamespaceMode.POD,
-                ready_file=str(run / "holder.json"),
-                log_file=str(run / "holder.log"),
-            )
+            try:
+                holder, ns_process = await holder_mod.start_holder(
+                    hostname=pod.hostname,
+                    pid_ns=pod.pid_mode is NamespaceMode.POD,
+                    ready_file=str(run / "holder.json"),
+                    log_file=str(run / "holder.log"),
+                    sysctls=sysctls,
+                )
+            except holder_mod.HolderError:
+                self.store.remove_run_path(pod_id)
+                raise
             pod.holder, pod.ns_process = holder, ns_process
             try:
                 self.oci.pod_files(pod, run)

@@ -889,3 +889,35 @@ async def test_seccomp_localhost_profile(
         container(cri, pod, rootfs, "bad", ["true"], sec=security(seccomp=missing))
     )
     assert "cannot load seccomp profile" in (err.details() or "")
+
+
+async def test_pod_sysctls(cri: pb_grpc.RuntimeServiceStub, pods: Pods, rootfs: str) -> None:
+    node_msg_max = Path("/proc/sys/fs/mqueue/msg_max").read_text()
+    config = pb.PodSandboxConfig(
+        metadata=pb.PodSandboxMetadata(
+            name="runc-sysctls", namespace=POD_NAMESPACE, uid=os.urandom(8).hex()
+        ),
+        linux=pb.LinuxPodSandboxConfig(
+            sysctls={"kernel.shm_rmid_forced": "1", "fs.mqueue.msg_max": "100"}
+        ),
+    )
+    pod_id = (await cri.RunPodSandbox(pb.RunPodSandboxRequest(config=config))).pod_sandbox_id
+    pods.created.append(pod_id)
+    cid = await container(cri, Pod(pod_id, config), rootfs, "main", ["sleep", "1000"])
+    assert await ok(cri, cid, "cat", "/proc/sys/kernel/shm_rmid_forced") == "1\n"
+    assert await ok(cri, cid, "cat", "/proc/sys/fs/mqueue/msg_max") == "100\n"
+    # containerd 2.0's defaults for a pod with its own network.
+    assert await ok(cri, cid, "cat", "/proc/sys/net/ipv4/ip_unprivileged_port_start") == "0\n"
+    assert (await ok(cri, cid, "cat", "/proc/sys/net/ipv4/ping_group_range")).split() == [
+        "0",
+        "2147483647",
+    ]
+    assert Path("/proc/sys/fs/mqueue/msg_max").read_text() == node_msg_max  # the node's kept
+
+    bad = pb.PodSandboxConfig(
+        metadata=pb.PodSandboxMetadata(name="runc-bad-sysctl", namespace=POD_NAMESPACE, uid="x"),
+        linux=pb.LinuxPodSandboxConfig(sysctls={"kernel.panic": "1"}),
+    )
+    err = await rpc_error(cri.RunPodSandbox(pb.RunPodSandboxRequest(config=bad)))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not in a separate kernel namespace" in (err.details() or "")

@@ -921,3 +921,25 @@ async def test_pod_sysctls(cri: pb_grpc.RuntimeServiceStub, pods: Pods, rootfs: 
     err = await rpc_error(cri.RunPodSandbox(pb.RunPodSandboxRequest(config=bad)))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "not in a separate kernel namespace" in (err.details() or "")
+
+
+async def test_devices(cri: pb_grpc.RuntimeServiceStub, pods: Pods, rootfs: str) -> None:
+    pod = await run_pod(cri, pods, "runc-devices")
+    config = pb.ContainerConfig(
+        metadata=pb.ContainerMetadata(name="main"),
+        image=pb.ImageSpec(image=rootfs),
+        command=["sleep", "1000"],
+        devices=[pb.Device(container_path="/dev/xzero", host_path="/dev/zero", permissions="rw")],
+        linux=pb.LinuxContainerConfig(security_context=security(seccomp=pb.SecurityProfile())),
+    )
+    request = pb.CreateContainerRequest(pod_sandbox_id=pod.id, config=config)
+    cid = (await cri.CreateContainer(request)).container_id
+    await cri.StartContainer(pb.StartContainerRequest(container_id=cid))
+    assert await ok(cri, cid, "sh", "-c", "head -c 4 /dev/xzero | od -An -tx1") == (
+        " 00 00 00 00\n"
+    )
+    # Not allowed by the device cgroup: /dev/kmsg exists on the host, not in the container.
+    response = await run(cri, cid, "mknod", "/tmp/kmsg", "c", "1", "11")
+    assert response.exit_code == 0  # mknod is allowed (runc's default rule)...
+    response = await run(cri, cid, "head", "-c", "1", "/tmp/kmsg")
+    assert response.exit_code != 0 and b"Operation not permitted" in response.stderr  # ...not use

@@ -943,3 +943,29 @@ async def test_devices(cri: pb_grpc.RuntimeServiceStub, pods: Pods, rootfs: str)
     assert response.exit_code == 0  # mknod is allowed (runc's default rule)...
     response = await run(cri, cid, "head", "-c", "1", "/tmp/kmsg")
     assert response.exit_code != 0 and b"Operation not permitted" in response.stderr  # ...not use
+
+
+async def test_start_error_carries_runc_message(
+    cri: pb_grpc.RuntimeServiceStub, pods: Pods, rootfs: str, runtime_daemon: RuntimeDaemon
+) -> None:
+    pod = await run_pod(cri, pods, "runc-start-error")
+    cid = await container(cri, pod, rootfs, "missing", ["/no/such/binary"], start=False)
+    err = await rpc_error(cri.StartContainer(pb.StartContainerRequest(container_id=cid)))
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "/no/such/binary" in (err.details() or "")
+    assert "no such file or directory" in (err.details() or "")
+    status = await Pods(cri).status(cid)
+    assert (status.state, status.exit_code, status.reason) == (
+        pb.CONTAINER_EXITED,
+        128,
+        "StartError",
+    )
+    assert "/no/such/binary" in status.message
+    # Nothing is left running in runc for it.
+    listed = subprocess.run(
+        ["runc", "--root", str(runtime_daemon.state_dir / "runc"), "list", "-q"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert cid not in listed.stdout.split()

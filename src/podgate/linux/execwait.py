@@ -1,11 +1,12 @@
 """Wait for a process started by `runc exec --detach` and exit with its status (what
-containerd's shim does for an exec): `python -m podgate.linux.execwait PIDFILE -- RUNC...`.
+containerd's shim does for an exec): `python -m podgate.linux.execwait PIDFILE ERRFILE -- RUNC...`.
 
 In the foreground runc copies the process's output through pipes of its own and exits only
 when they reach EOF, so a background child that inherited them keeps it (and ExecSync) waiting
 forever. Detached, runc hands our stdio to the process itself and exits at once; as a child
 subreaper this helper then inherits the process, reaps it and exits with its code. SIGTERM
-kills the process (an ExecSync deadline).
+kills the process (an ExecSync deadline). If runc fails, the process never ran: ERRFILE says so
+(runc's own message went to stderr).
 """
 
 from __future__ import annotations
@@ -32,10 +33,10 @@ def _exit_code(status: int) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) < 3 or args[1] != "--":
-        print("usage: python -m podgate.linux.execwait PIDFILE -- RUNC...", file=sys.stderr)
+    if len(args) < 4 or args[2] != "--":
+        print("usage: python -m podgate.linux.execwait PIDFILE ERRFILE -- RUNC...", file=sys.stderr)
         return 2
-    pid_file, runc = args[0], args[2:]
+    pid_file, error_file, runc = args[0], args[1], args[3:]
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         print(
@@ -57,6 +58,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_term)
     code = subprocess.run(runc, close_fds=True, check=False).returncode
     if code != 0:
+        with open(error_file, "w", encoding="utf-8") as f:
+            f.write(f"the OCI runtime exited with {code}")
         return RUNC_FAILED
     with open(pid_file, encoding="ascii") as f:
         pid = int(f.read().strip())

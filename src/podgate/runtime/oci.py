@@ -296,7 +296,8 @@ class OciContainers:
             return runc.exec_argv(container.id, process_file), process_file
         pid_file = f"{process_file}.pid"
         argv = runc.exec_argv(container.id, process_file, detach_pid_file=pid_file)
-        return [sys.executable, "-m", "podgate.linux.execwait", pid_file, "--", *argv], process_file
+        helper = [sys.executable, "-m", "podgate.linux.execwait", pid_file, f"{process_file}.error"]
+        return [*helper, "--", *argv], process_file
 
 
 def _read_config(bundle: Path) -> dict[str, Any]:

@@ -14,6 +14,7 @@ import logging
 import os
 import secrets
 import signal
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -32,6 +33,7 @@ from podgate.model import (
     PodState,
 )
 from podgate.oci import cgroups, overlay
+from podgate.oci.bundle import write_json as write_private_json
 from podgate.oci.securejoin import secure_join
 from podgate.oci.spec import SpecError, pod_sysctls
 from podgate.proto import remotecommand as rc
@@ -72,6 +74,18 @@ POD_STOP_GRACE_SECONDS = 2.0
 KILL_WAIT_SECONDS = 10.0
 NSENTER = "/usr/bin/nsenter"
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+class ExecStartError(Exception):
+    """An exec'd command never ran (the OCI runtime or nsenter failed); INTERNAL for CRI."""
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
 
 
 def now_ns() -> int:
@@ -545,8 +559,10 @@ class Runtime:
             argv += ["--setuid", str(spec.run_as_user)]
         pod = self.pods.get(container.pod_id)
         env = {"PATH": DEFAULT_PATH, "HOSTNAME": pod.hostname if pod else "", **spec.envs}
-        argv = [*argv, "--", "/usr/bin/env", "-i", *(f"{k}={v}" for k, v in env.items())]
-        return [*argv, *command], ""
+        # The environment goes through a file (never an argv); nsexec closes our descriptors.
+        spec_file = self.store.run_path(container.id) / f"exec-{secrets.token_hex(8)}.json"
+        write_private_json(str(spec_file), {"argv": [*argv, "--", *command], "env": env})
+        return [sys.executable, "-m", "podgate.linux.nsexec", str(spec_file)], str(spec_file)
 
     async def exec_sync(
         self, container_id: str, command: Sequence[str], timeout: float
@@ -556,10 +572,17 @@ class Runtime:
             raise InvalidArgumentError("exec needs a command")
         argv, cleanup = self.exec_command(container, command)
         try:
-            return await _run_exec_sync(argv, command, timeout)
+            result = await _run_exec_sync(argv, command, timeout)
+            if cleanup:
+                failure = await asyncio.to_thread(_read_text, f"{cleanup}.error")
+                if failure is not None:
+                    detail = result.stderr.decode("utf-8", "replace").strip()
+                    raise ExecStartError(f"failed to exec in container: {detail or failure}")
+            return result
         finally:
             if cleanup:
                 discard(cleanup)
+                discard(f"{cleanup}.error")
 
     # ------------------------------------------------------------------ resources, stats, logs
     async def container_usage(self, container: ContainerRecord) -> ContainerUsage:

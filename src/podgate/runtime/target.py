@@ -35,6 +35,7 @@ class RuntimeTarget:
         finally:
             if cleanup:
                 discard(cleanup)
+                discard(f"{cleanup}.error")
 
     async def attach(self, pod: PodRef, container: str | None, io: ExecIO) -> int:
         try:

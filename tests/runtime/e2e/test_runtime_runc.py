@@ -969,3 +969,29 @@ async def test_start_error_carries_runc_message(
         check=True,
     )
     assert cid not in listed.stdout.split()
+
+
+async def test_exec_into_a_container_without_a_root_gets_only_stdio(
+    cri: pb_grpc.RuntimeServiceStub, pods: Pods
+) -> None:
+    # Containers without a root (the node's filesystem, its /proc) exec through nsenter: the
+    # daemon's descriptors (sockets, epoll, log files...) must not leak into them either. ls
+    # lists its own fds there: 0-2 and 3, the directory it is reading.
+    pod = await pods.run("legacy-fds")
+    cid = await pods.create(pod, "main", ["sleep", "1000"])
+    listing = await ok(cri, cid, "ls", "-l", "/proc/self/fd")
+    fds = {line.split()[-3]: line.split()[-1] for line in listing.splitlines()[1:]}
+    assert sorted(fds) == ["0", "1", "2", "3"], listing
+    assert fds["3"].startswith("/proc/") and fds["3"].endswith("/fd"), listing
+    request = pb.ExecRequest(
+        container_id=cid, cmd=["ls", "-l", "/proc/self/fd"], stdout=True, stderr=True
+    )
+    stdout, stderr = Sink(), Sink()
+    result = await stream((await cri.Exec(request)).url, stdout=stdout, stderr=stderr)
+    lines = bytes(stdout.data).decode().splitlines()[1:]
+    assert result.exit_code == 0 and sorted(line.split()[-3] for line in lines) == [
+        "0",
+        "1",
+        "2",
+        "3",
+    ], stdout.data

@@ -76,7 +76,7 @@ def _sleep_until_stopped() -> int:
             return 0
 
 
-def _run_pid_ns(ready_file: str) -> int:
+def _run_pid_ns(ready_file: str, empty_root: str = "") -> int:
     sync_r, sync_w = os.pipe()
     child = os.fork()
     if child == 0:
@@ -93,6 +93,8 @@ def _run_pid_ns(ready_file: str) -> int:
     os.read(sync_r, 1)  # EOF once the child runs with signals blocked
     os.close(sync_r)
     atomic_write_json(ready_file, {"holder_pid": os.getpid(), "ns_pid": child})
+    if empty_root:
+        _leave_node_filesystem(empty_root)  # the child shares the namespace and root: both
     while True:
         sig = signal.sigwait(_WAITED_SIGNALS)
         if sig in _STOP_SIGNALS:
@@ -130,6 +132,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--pid-ns", action="store_true", help="also a new PID namespace")
     parser.add_argument("--foreground", action="store_true", help="do not fork away")
     parser.add_argument(
+        "--empty-root",
+        metavar="DIR",
+        default="",
+        help="once ready, live in a private mount namespace whose root is an empty tmpfs on DIR",
+    )
+    parser.add_argument(
         "--sysctl", action="append", default=[], metavar="KEY=VALUE", help="namespaced sysctl"
     )
     args = parser.parse_args(argv)
@@ -143,6 +151,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     flags = ns.CLONE_NEWNET | ns.CLONE_NEWUTS | ns.CLONE_NEWIPC
     if args.pid_ns:
         flags |= ns.CLONE_NEWPID
+    if args.empty_root:
+        flags |= ns.CLONE_NEWNS
     try:
         ns.unshare(flags)
         if args.hostname:
@@ -150,15 +160,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         ns.set_link_up("lo")
         for item in args.sysctl:
             _set_sysctl(*item.split("=", 1))
+        if args.empty_root:
+            ns.make_mounts_private()
     except OSError as exc:
         message = f"pod holder setup failed: {exc}"
         print(message, file=sys.stderr)
         atomic_write_json(args.ready_file, {"error": message})
         return 1
     if args.pid_ns:
-        return _run_pid_ns(args.ready_file)
+        return _run_pid_ns(args.ready_file, args.empty_root)
     atomic_write_json(args.ready_file, {"holder_pid": os.getpid(), "ns_pid": os.getpid()})
+    if args.empty_root:
+        _leave_node_filesystem(args.empty_root)
     return _sleep_until_stopped()
+
+
+def _leave_node_filesystem(directory: str) -> None:
+    """A pod's processes see the holder as /proc/1: its root must not be the node's."""
+    try:
+        ns.enter_empty_root(directory)
+    except OSError as exc:
+        print(f"pod holder: cannot leave the node's filesystem: {exc}", file=sys.stderr)
+        os._exit(1)
 
 
 async def start_holder(
@@ -168,6 +191,7 @@ async def start_holder(
     log_file: str,
     *,
     sysctls: dict[str, str] | None = None,
+    empty_root: str = "",
     timeout: float = HOLDER_START_TIMEOUT,
 ) -> tuple[ProcessRef, ProcessRef]:
     """Start a detached holder and wait for it; returns (holder, namespace process) refs.
@@ -185,6 +209,9 @@ async def start_holder(
         argv.append("--pid-ns")
     for key, value in (sysctls or {}).items():
         argv += ["--sysctl", f"{key}={value}"]
+    if empty_root:
+        os.makedirs(empty_root, mode=0o755, exist_ok=True)
+        argv += ["--empty-root", empty_root]
     try:
         await spawn_detached(argv, log_file)
         data = await wait_ready_file(ready_file, timeout, log_file)

@@ -258,6 +258,7 @@ class Runtime:
                     ready_file=str(run / "holder.json"),
                     log_file=str(run / "holder.log"),
                     sysctls=sysctls,
+                    empty_root="" if sandbox.is_sandboxed(pod) else str(run / "holder-root"),
                 )
             except holder_mod.HolderError:
                 self.store.remove_run_path(pod_id)

@@ -172,9 +172,22 @@ async def test_container_is_isolated_from_the_node(
         assert response.exit_code != 0 and b"No such file or directory" in response.stderr
     response = await run(cri, cid, "nc", "-U", runtime_daemon.cri_socket)
     assert response.exit_code != 0
-    # ...nor through the pod's PID 1 (the holder runs in the host's mount namespace).
+    # ...nor through the pod's PID 1, the holder: its root is an empty tmpfs, so even a
+    # container that may ptrace it finds nothing of the node there.
     response = await run(cri, cid, "ls", f"/proc/1/root{state}")
     assert response.exit_code != 0 and b"Permission denied" in response.stderr
+    tracer = await container(
+        cri,
+        pod,
+        rootfs,
+        "tracer",
+        ["sleep", "1000"],
+        sec=security(capabilities=pb.Capability(add_capabilities=["SYS_PTRACE"])),
+    )
+    assert await ok(cri, tracer, "ls", "-a", "/proc/1/root/") == ".\n..\n"
+    response = await run(cri, tracer, "ls", f"/proc/1/root{state}")
+    assert response.exit_code != 0 and b"No such file or directory" in response.stderr
+    assert await ok(cri, tracer, "ls", "-a", "/proc/1/root/../..") == ".\n..\n"
 
     # Only the pod's processes: its holder (PID 1), the container's sleep and ps itself.
     ps = await ok(cri, cid, "ps", "-o", "pid,comm")

@@ -40,6 +40,7 @@ V1_CONTROLLERS: Final = (
     "net_prio",
     "perf_event",
     "systemd",
+    "unified",  # the v2 hierarchy beside v1 ("hybrid"): runc makes a directory there too
 )
 # memory.limit_in_bytes of an unlimited v1 cgroup (PAGE_COUNTER_MAX pages of 4 KiB).
 V1_UNLIMITED_FLOOR: Final = 1 << 62

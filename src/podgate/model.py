@@ -68,6 +68,12 @@ class PodRecord:
     ns_process: ProcessRef | None = None
     ip: str = ""
     additional_ips: list[str] = field(default_factory=list)
+    # CRI LinuxPodSandboxConfig.cgroup_parent ("" = podgate's own parent) and privileged flag.
+    cgroup_parent: str = ""
+    privileged: bool = False
+    # CRI DNSConfig as {"servers": [...], "searches": [...], "options": [...]}; None = absent.
+    dns: dict[str, list[str]] | None = None
+    sysctls: dict[str, str] = field(default_factory=dict)
     # Anything extra the network or sandbox layers need to keep (e.g. sandbox dirs).
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -96,6 +102,31 @@ class ContainerSpec:
     log_path: str = ""  # relative to the pod's log_directory, as CRI says
     pid_mode: NamespaceMode = NamespaceMode.CONTAINER
     mounts: list[dict[str, Any]] = field(default_factory=list)
+    # The container's root as image layers: lower directories, topmost first. Empty = no
+    # image (the command runs on the node's filesystem or `root_dir`, without runc).
+    rootfs: list[str] = field(default_factory=list)
+    # The image config's Entrypoint, Cmd, Env, WorkingDir, User (OCI image-spec names).
+    image_config: dict[str, Any] = field(default_factory=dict)
+    run_as_username: str = ""
+    supplemental_groups: list[int] = field(default_factory=list)
+    supplemental_groups_strict: bool = False
+    privileged: bool = False
+    readonly_rootfs: bool = False
+    no_new_privs: bool = False
+    cap_add: list[str] = field(default_factory=list)
+    cap_drop: list[str] = field(default_factory=list)
+    masked_paths: list[str] = field(default_factory=list)
+    readonly_paths: list[str] = field(default_factory=list)
+    # Seccomp/AppArmor profile type ("" unset, RuntimeDefault, Unconfined, Localhost) and ref.
+    seccomp: str = ""
+    seccomp_ref: str = ""
+    apparmor: str = ""
+    apparmor_ref: str = ""
+    # CRI LinuxContainerResources fields (cpu_shares, cpu_quota, cpu_period, cpuset_cpus,
+    # cpuset_mems, memory_limit_in_bytes, memory_swap_limit_in_bytes, oom_score_adj).
+    resources: dict[str, Any] = field(default_factory=dict)
+    # CRI Device {"container_path", "host_path", "permissions"}.
+    devices: list[dict[str, str]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -116,6 +147,8 @@ class ContainerRecord:
     process: ProcessRef | None = None  # the container's main process, host pid
     labels: dict[str, str] = field(default_factory=dict)
     annotations: dict[str, str] = field(default_factory=dict)
+    # The identity the container's process got: {"uid", "gid", "additionalGids"} (OCI names).
+    user: dict[str, Any] | None = None
 
 
 def to_json(record: PodRecord | ContainerRecord) -> dict[str, Any]:
@@ -149,6 +182,10 @@ def pod_from_json(data: dict[str, Any]) -> PodRecord:
         ns_process=ProcessRef(**data["ns_process"]) if data.get("ns_process") else None,
         ip=data.get("ip", ""),
         additional_ips=list(data.get("additional_ips", [])),
+        cgroup_parent=data.get("cgroup_parent", ""),
+        privileged=bool(data.get("privileged", False)),
+        dns=data.get("dns"),
+        sysctls=dict(data.get("sysctls", {})),
         extra=dict(data.get("extra", {})),
     )
 
@@ -173,4 +210,5 @@ def container_from_json(data: dict[str, Any]) -> ContainerRecord:
         process=ProcessRef(**data["process"]) if data.get("process") else None,
         labels=dict(data.get("labels", {})),
         annotations=dict(data.get("annotations", {})),
+        user=data.get("user"),
     )

@@ -374,10 +374,15 @@ def test_package_and_service_names_are_upstream() -> None:
         "RemoveContainer",
         "ListContainers",
         "ContainerStatus",
+        "UpdateContainerResources",
+        "ReopenContainerLog",
         "ExecSync",
         "Exec",
         "Attach",
         "PortForward",
+        "ContainerStats",
+        "ListContainerStats",
+        "RuntimeConfig",
     }
     assert runtime.methods_by_name["Exec"].input_type.full_name == "runtime.v1.ExecRequest"
     assert {m.name for m in image.methods} == {
@@ -954,7 +959,7 @@ _BAD_REQUESTS: list[tuple[str, Any, str]] = [
                 )
             ),
         ),
-        "run_as_group",
+        'user group "5" is specified without user',
     ),
     (
         "CreateContainer",
@@ -1096,7 +1101,7 @@ async def test_image_fs_info_reports_the_image_store(cri: Cri) -> None:
 
 async def test_unserved_methods_are_unimplemented(cri: Cri) -> None:
     stats = cri.channel.unary_unary(
-        "/runtime.v1.RuntimeService/ListContainerStats",
+        "/runtime.v1.RuntimeService/PodSandboxStats",
         request_serializer=lambda b: b,
         response_deserializer=lambda b: b,
     )

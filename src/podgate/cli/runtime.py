@@ -58,6 +58,12 @@ from podgate.runtime.streaming import DEFAULT_STREAM_IDLE_TIMEOUT_SECONDS, Insec
 )
 @nri_options
 @click.option(
+    "--oci-runtime",
+    default="runc",
+    show_default=True,
+    help="OCI runtime binary (runc, or crun) for containers with a root.",
+)
+@click.option(
     "--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True
 )
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
@@ -70,6 +76,7 @@ def runtime(
     stream_socket: str,
     stream_idle_timeout: float,
     backends: tuple[str, ...],
+    oci_runtime: str,
     log_format: str,
     verbose: bool,
     **nri: Any,
@@ -100,6 +107,7 @@ def runtime(
         nri=nri_config(**nri),
         nri_network=nri["network"] == "nri",
         file=file_config,
+        oci_runtime=oci_runtime,
     )
     try:
         run(run_daemon(config))

@@ -275,6 +275,21 @@ CONTAINER_EXITED: ContainerState.ValueType  # 2
 CONTAINER_UNKNOWN: ContainerState.ValueType  # 3
 Global___ContainerState: _TypeAlias = ContainerState  # noqa: Y015
 
+class _CgroupDriver:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _CgroupDriverEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_CgroupDriver.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    SYSTEMD: _CgroupDriver.ValueType  # 0
+    CGROUPFS: _CgroupDriver.ValueType  # 1
+
+class CgroupDriver(_CgroupDriver, metaclass=_CgroupDriverEnumTypeWrapper): ...
+
+SYSTEMD: CgroupDriver.ValueType  # 0
+CGROUPFS: CgroupDriver.ValueType  # 1
+Global___CgroupDriver: _TypeAlias = CgroupDriver  # noqa: Y015
+
 @_typing.final
 class VersionRequest(_message.Message):
     """---------------------------------------------------------------- version"""
@@ -2499,6 +2514,104 @@ class ContainerUser(_message.Message):
 Global___ContainerUser: _TypeAlias = ContainerUser  # noqa: Y015
 
 @_typing.final
+class UpdateContainerResourcesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class AnnotationsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    CONTAINER_ID_FIELD_NUMBER: _builtins.int
+    LINUX_FIELD_NUMBER: _builtins.int
+    ANNOTATIONS_FIELD_NUMBER: _builtins.int
+    container_id: _builtins.str
+    @_builtins.property
+    def linux(self) -> Global___LinuxContainerResources: ...
+    @_builtins.property
+    def annotations(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """windows = 3 is not served."""
+
+    def __init__(
+        self,
+        *,
+        container_id: _builtins.str = ...,
+        linux: Global___LinuxContainerResources | None = ...,
+        annotations: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["linux", b"linux"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["annotations", b"annotations", "container_id", b"container_id", "linux", b"linux"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UpdateContainerResourcesRequest: _TypeAlias = UpdateContainerResourcesRequest  # noqa: Y015
+
+@_typing.final
+class UpdateContainerResourcesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UpdateContainerResourcesResponse: _TypeAlias = UpdateContainerResourcesResponse  # noqa: Y015
+
+@_typing.final
+class ReopenContainerLogRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CONTAINER_ID_FIELD_NUMBER: _builtins.int
+    container_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        container_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["container_id", b"container_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReopenContainerLogRequest: _TypeAlias = ReopenContainerLogRequest  # noqa: Y015
+
+@_typing.final
+class ReopenContainerLogResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReopenContainerLogResponse: _TypeAlias = ReopenContainerLogResponse  # noqa: Y015
+
+@_typing.final
 class ExecSyncRequest(_message.Message):
     """---------------------------------------------------------------- exec, attach, port-forward"""
 
@@ -3373,3 +3486,391 @@ class StatusResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StatusResponse: _TypeAlias = StatusResponse  # noqa: Y015
+
+@_typing.final
+class ContainerStatsRequest(_message.Message):
+    """---------------------------------------------------------------- stats"""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CONTAINER_ID_FIELD_NUMBER: _builtins.int
+    container_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        container_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["container_id", b"container_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ContainerStatsRequest: _TypeAlias = ContainerStatsRequest  # noqa: Y015
+
+@_typing.final
+class ContainerStatsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STATS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def stats(self) -> Global___ContainerStats: ...
+    def __init__(
+        self,
+        *,
+        stats: Global___ContainerStats | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["stats", b"stats"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["stats", b"stats"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ContainerStatsResponse: _TypeAlias = ContainerStatsResponse  # noqa: Y015
+
+@_typing.final
+class ListContainerStatsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FILTER_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def filter(self) -> Global___ContainerStatsFilter: ...
+    def __init__(
+        self,
+        *,
+        filter: Global___ContainerStatsFilter | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["filter", b"filter"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["filter", b"filter"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListContainerStatsRequest: _TypeAlias = ListContainerStatsRequest  # noqa: Y015
+
+@_typing.final
+class ContainerStatsFilter(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class LabelSelectorEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    ID_FIELD_NUMBER: _builtins.int
+    POD_SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    LABEL_SELECTOR_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    pod_sandbox_id: _builtins.str
+    @_builtins.property
+    def label_selector(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        pod_sandbox_id: _builtins.str = ...,
+        label_selector: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "label_selector", b"label_selector", "pod_sandbox_id", b"pod_sandbox_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ContainerStatsFilter: _TypeAlias = ContainerStatsFilter  # noqa: Y015
+
+@_typing.final
+class ListContainerStatsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STATS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def stats(self) -> _containers.RepeatedCompositeFieldContainer[Global___ContainerStats]: ...
+    def __init__(
+        self,
+        *,
+        stats: _abc.Iterable[Global___ContainerStats] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["stats", b"stats"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListContainerStatsResponse: _TypeAlias = ListContainerStatsResponse  # noqa: Y015
+
+@_typing.final
+class ContainerAttributes(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class LabelsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class AnnotationsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    ID_FIELD_NUMBER: _builtins.int
+    METADATA_FIELD_NUMBER: _builtins.int
+    LABELS_FIELD_NUMBER: _builtins.int
+    ANNOTATIONS_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    @_builtins.property
+    def metadata(self) -> Global___ContainerMetadata: ...
+    @_builtins.property
+    def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    @_builtins.property
+    def annotations(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        metadata: Global___ContainerMetadata | None = ...,
+        labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        annotations: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["metadata", b"metadata"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["annotations", b"annotations", "id", b"id", "labels", b"labels", "metadata", b"metadata"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ContainerAttributes: _TypeAlias = ContainerAttributes  # noqa: Y015
+
+@_typing.final
+class ContainerStats(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ATTRIBUTES_FIELD_NUMBER: _builtins.int
+    CPU_FIELD_NUMBER: _builtins.int
+    MEMORY_FIELD_NUMBER: _builtins.int
+    WRITABLE_LAYER_FIELD_NUMBER: _builtins.int
+    SWAP_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def attributes(self) -> Global___ContainerAttributes: ...
+    @_builtins.property
+    def cpu(self) -> Global___CpuUsage: ...
+    @_builtins.property
+    def memory(self) -> Global___MemoryUsage: ...
+    @_builtins.property
+    def writable_layer(self) -> Global___FilesystemUsage: ...
+    @_builtins.property
+    def swap(self) -> Global___SwapUsage: ...
+    def __init__(
+        self,
+        *,
+        attributes: Global___ContainerAttributes | None = ...,
+        cpu: Global___CpuUsage | None = ...,
+        memory: Global___MemoryUsage | None = ...,
+        writable_layer: Global___FilesystemUsage | None = ...,
+        swap: Global___SwapUsage | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["attributes", b"attributes", "cpu", b"cpu", "memory", b"memory", "swap", b"swap", "writable_layer", b"writable_layer"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attributes", b"attributes", "cpu", b"cpu", "memory", b"memory", "swap", b"swap", "writable_layer", b"writable_layer"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ContainerStats: _TypeAlias = ContainerStats  # noqa: Y015
+
+@_typing.final
+class CpuUsage(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TIMESTAMP_FIELD_NUMBER: _builtins.int
+    USAGE_CORE_NANO_SECONDS_FIELD_NUMBER: _builtins.int
+    USAGE_NANO_CORES_FIELD_NUMBER: _builtins.int
+    timestamp: _builtins.int
+    """Nanoseconds since the epoch; must be > 0."""
+    @_builtins.property
+    def usage_core_nano_seconds(self) -> Global___UInt64Value: ...
+    @_builtins.property
+    def usage_nano_cores(self) -> Global___UInt64Value: ...
+    def __init__(
+        self,
+        *,
+        timestamp: _builtins.int = ...,
+        usage_core_nano_seconds: Global___UInt64Value | None = ...,
+        usage_nano_cores: Global___UInt64Value | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["usage_core_nano_seconds", b"usage_core_nano_seconds", "usage_nano_cores", b"usage_nano_cores"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["timestamp", b"timestamp", "usage_core_nano_seconds", b"usage_core_nano_seconds", "usage_nano_cores", b"usage_nano_cores"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CpuUsage: _TypeAlias = CpuUsage  # noqa: Y015
+
+@_typing.final
+class MemoryUsage(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TIMESTAMP_FIELD_NUMBER: _builtins.int
+    WORKING_SET_BYTES_FIELD_NUMBER: _builtins.int
+    AVAILABLE_BYTES_FIELD_NUMBER: _builtins.int
+    USAGE_BYTES_FIELD_NUMBER: _builtins.int
+    RSS_BYTES_FIELD_NUMBER: _builtins.int
+    PAGE_FAULTS_FIELD_NUMBER: _builtins.int
+    MAJOR_PAGE_FAULTS_FIELD_NUMBER: _builtins.int
+    timestamp: _builtins.int
+    @_builtins.property
+    def working_set_bytes(self) -> Global___UInt64Value: ...
+    @_builtins.property
+    def available_bytes(self) -> Global___UInt64Value: ...
+    @_builtins.property
+    def usage_bytes(self) -> Global___UInt64Value: ...
+    @_builtins.property
+    def rss_bytes(self) -> Global___UInt64Value: ...
+    @_builtins.property
+    def page_faults(self) -> Global___UInt64Value: ...
+    @_builtins.property
+    def major_page_faults(self) -> Global___UInt64Value: ...
+    def __init__(
+        self,
+        *,
+        timestamp: _builtins.int = ...,
+        working_set_bytes: Global___UInt64Value | None = ...,
+        available_bytes: Global___UInt64Value | None = ...,
+        usage_bytes: Global___UInt64Value | None = ...,
+        rss_bytes: Global___UInt64Value | None = ...,
+        page_faults: Global___UInt64Value | None = ...,
+        major_page_faults: Global___UInt64Value | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["available_bytes", b"available_bytes", "major_page_faults", b"major_page_faults", "page_faults", b"page_faults", "rss_bytes", b"rss_bytes", "usage_bytes", b"usage_bytes", "working_set_bytes", b"working_set_bytes"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["available_bytes", b"available_bytes", "major_page_faults", b"major_page_faults", "page_faults", b"page_faults", "rss_bytes", b"rss_bytes", "timestamp", b"timestamp", "usage_bytes", b"usage_bytes", "working_set_bytes", b"working_set_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MemoryUsage: _TypeAlias = MemoryUsage  # noqa: Y015
+
+@_typing.final
+class SwapUsage(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TIMESTAMP_FIELD_NUMBER: _builtins.int
+    SWAP_AVAILABLE_BYTES_FIELD_NUMBER: _builtins.int
+    SWAP_USAGE_BYTES_FIELD_NUMBER: _builtins.int
+    timestamp: _builtins.int
+    @_builtins.property
+    def swap_available_bytes(self) -> Global___UInt64Value: ...
+    @_builtins.property
+    def swap_usage_bytes(self) -> Global___UInt64Value: ...
+    def __init__(
+        self,
+        *,
+        timestamp: _builtins.int = ...,
+        swap_available_bytes: Global___UInt64Value | None = ...,
+        swap_usage_bytes: Global___UInt64Value | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["swap_available_bytes", b"swap_available_bytes", "swap_usage_bytes", b"swap_usage_bytes"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["swap_available_bytes", b"swap_available_bytes", "swap_usage_bytes", b"swap_usage_bytes", "timestamp", b"timestamp"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SwapUsage: _TypeAlias = SwapUsage  # noqa: Y015
+
+@_typing.final
+class RuntimeConfigRequest(_message.Message):
+    """---------------------------------------------------------------- runtime config"""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RuntimeConfigRequest: _TypeAlias = RuntimeConfigRequest  # noqa: Y015
+
+@_typing.final
+class RuntimeConfigResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LINUX_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def linux(self) -> Global___LinuxRuntimeConfiguration: ...
+    def __init__(
+        self,
+        *,
+        linux: Global___LinuxRuntimeConfiguration | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["linux", b"linux"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["linux", b"linux"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RuntimeConfigResponse: _TypeAlias = RuntimeConfigResponse  # noqa: Y015
+
+@_typing.final
+class LinuxRuntimeConfiguration(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CGROUP_DRIVER_FIELD_NUMBER: _builtins.int
+    cgroup_driver: Global___CgroupDriver.ValueType
+    def __init__(
+        self,
+        *,
+        cgroup_driver: Global___CgroupDriver.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cgroup_driver", b"cgroup_driver"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LinuxRuntimeConfiguration: _TypeAlias = LinuxRuntimeConfiguration  # noqa: Y015

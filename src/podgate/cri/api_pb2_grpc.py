@@ -95,6 +95,16 @@ class RuntimeServiceStub:
                 request_serializer=podgate_dot_cri_dot_api__pb2.ContainerStatusRequest.SerializeToString,
                 response_deserializer=podgate_dot_cri_dot_api__pb2.ContainerStatusResponse.FromString,
                 _registered_method=True)
+        self.UpdateContainerResources = channel.unary_unary(
+                '/runtime.v1.RuntimeService/UpdateContainerResources',
+                request_serializer=podgate_dot_cri_dot_api__pb2.UpdateContainerResourcesRequest.SerializeToString,
+                response_deserializer=podgate_dot_cri_dot_api__pb2.UpdateContainerResourcesResponse.FromString,
+                _registered_method=True)
+        self.ReopenContainerLog = channel.unary_unary(
+                '/runtime.v1.RuntimeService/ReopenContainerLog',
+                request_serializer=podgate_dot_cri_dot_api__pb2.ReopenContainerLogRequest.SerializeToString,
+                response_deserializer=podgate_dot_cri_dot_api__pb2.ReopenContainerLogResponse.FromString,
+                _registered_method=True)
         self.ExecSync = channel.unary_unary(
                 '/runtime.v1.RuntimeService/ExecSync',
                 request_serializer=podgate_dot_cri_dot_api__pb2.ExecSyncRequest.SerializeToString,
@@ -115,6 +125,16 @@ class RuntimeServiceStub:
                 request_serializer=podgate_dot_cri_dot_api__pb2.PortForwardRequest.SerializeToString,
                 response_deserializer=podgate_dot_cri_dot_api__pb2.PortForwardResponse.FromString,
                 _registered_method=True)
+        self.ContainerStats = channel.unary_unary(
+                '/runtime.v1.RuntimeService/ContainerStats',
+                request_serializer=podgate_dot_cri_dot_api__pb2.ContainerStatsRequest.SerializeToString,
+                response_deserializer=podgate_dot_cri_dot_api__pb2.ContainerStatsResponse.FromString,
+                _registered_method=True)
+        self.ListContainerStats = channel.unary_unary(
+                '/runtime.v1.RuntimeService/ListContainerStats',
+                request_serializer=podgate_dot_cri_dot_api__pb2.ListContainerStatsRequest.SerializeToString,
+                response_deserializer=podgate_dot_cri_dot_api__pb2.ListContainerStatsResponse.FromString,
+                _registered_method=True)
         self.UpdateRuntimeConfig = channel.unary_unary(
                 '/runtime.v1.RuntimeService/UpdateRuntimeConfig',
                 request_serializer=podgate_dot_cri_dot_api__pb2.UpdateRuntimeConfigRequest.SerializeToString,
@@ -124,6 +144,11 @@ class RuntimeServiceStub:
                 '/runtime.v1.RuntimeService/Status',
                 request_serializer=podgate_dot_cri_dot_api__pb2.StatusRequest.SerializeToString,
                 response_deserializer=podgate_dot_cri_dot_api__pb2.StatusResponse.FromString,
+                _registered_method=True)
+        self.RuntimeConfig = channel.unary_unary(
+                '/runtime.v1.RuntimeService/RuntimeConfig',
+                request_serializer=podgate_dot_cri_dot_api__pb2.RuntimeConfigRequest.SerializeToString,
+                response_deserializer=podgate_dot_cri_dot_api__pb2.RuntimeConfigResponse.FromString,
                 _registered_method=True)
 
 
@@ -203,6 +228,18 @@ class RuntimeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpdateContainerResources(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReopenContainerLog(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ExecSync(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -227,6 +264,18 @@ class RuntimeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ContainerStats(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListContainerStats(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def UpdateRuntimeConfig(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -234,6 +283,12 @@ class RuntimeServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Status(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RuntimeConfig(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -302,6 +357,16 @@ def add_RuntimeServiceServicer_to_server(servicer, server):
                     request_deserializer=podgate_dot_cri_dot_api__pb2.ContainerStatusRequest.FromString,
                     response_serializer=podgate_dot_cri_dot_api__pb2.ContainerStatusResponse.SerializeToString,
             ),
+            'UpdateContainerResources': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateContainerResources,
+                    request_deserializer=podgate_dot_cri_dot_api__pb2.UpdateContainerResourcesRequest.FromString,
+                    response_serializer=podgate_dot_cri_dot_api__pb2.UpdateContainerResourcesResponse.SerializeToString,
+            ),
+            'ReopenContainerLog': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReopenContainerLog,
+                    request_deserializer=podgate_dot_cri_dot_api__pb2.ReopenContainerLogRequest.FromString,
+                    response_serializer=podgate_dot_cri_dot_api__pb2.ReopenContainerLogResponse.SerializeToString,
+            ),
             'ExecSync': grpc.unary_unary_rpc_method_handler(
                     servicer.ExecSync,
                     request_deserializer=podgate_dot_cri_dot_api__pb2.ExecSyncRequest.FromString,
@@ -322,6 +387,16 @@ def add_RuntimeServiceServicer_to_server(servicer, server):
                     request_deserializer=podgate_dot_cri_dot_api__pb2.PortForwardRequest.FromString,
                     response_serializer=podgate_dot_cri_dot_api__pb2.PortForwardResponse.SerializeToString,
             ),
+            'ContainerStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.ContainerStats,
+                    request_deserializer=podgate_dot_cri_dot_api__pb2.ContainerStatsRequest.FromString,
+                    response_serializer=podgate_dot_cri_dot_api__pb2.ContainerStatsResponse.SerializeToString,
+            ),
+            'ListContainerStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListContainerStats,
+                    request_deserializer=podgate_dot_cri_dot_api__pb2.ListContainerStatsRequest.FromString,
+                    response_serializer=podgate_dot_cri_dot_api__pb2.ListContainerStatsResponse.SerializeToString,
+            ),
             'UpdateRuntimeConfig': grpc.unary_unary_rpc_method_handler(
                     servicer.UpdateRuntimeConfig,
                     request_deserializer=podgate_dot_cri_dot_api__pb2.UpdateRuntimeConfigRequest.FromString,
@@ -331,6 +406,11 @@ def add_RuntimeServiceServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=podgate_dot_cri_dot_api__pb2.StatusRequest.FromString,
                     response_serializer=podgate_dot_cri_dot_api__pb2.StatusResponse.SerializeToString,
+            ),
+            'RuntimeConfig': grpc.unary_unary_rpc_method_handler(
+                    servicer.RuntimeConfig,
+                    request_deserializer=podgate_dot_cri_dot_api__pb2.RuntimeConfigRequest.FromString,
+                    response_serializer=podgate_dot_cri_dot_api__pb2.RuntimeConfigResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -669,6 +749,60 @@ class RuntimeService:
             _registered_method=True)
 
     @staticmethod
+    def UpdateContainerResources(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/runtime.v1.RuntimeService/UpdateContainerResources',
+            podgate_dot_cri_dot_api__pb2.UpdateContainerResourcesRequest.SerializeToString,
+            podgate_dot_cri_dot_api__pb2.UpdateContainerResourcesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReopenContainerLog(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/runtime.v1.RuntimeService/ReopenContainerLog',
+            podgate_dot_cri_dot_api__pb2.ReopenContainerLogRequest.SerializeToString,
+            podgate_dot_cri_dot_api__pb2.ReopenContainerLogResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def ExecSync(request,
             target,
             options=(),
@@ -777,6 +911,60 @@ class RuntimeService:
             _registered_method=True)
 
     @staticmethod
+    def ContainerStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/runtime.v1.RuntimeService/ContainerStats',
+            podgate_dot_cri_dot_api__pb2.ContainerStatsRequest.SerializeToString,
+            podgate_dot_cri_dot_api__pb2.ContainerStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListContainerStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/runtime.v1.RuntimeService/ListContainerStats',
+            podgate_dot_cri_dot_api__pb2.ListContainerStatsRequest.SerializeToString,
+            podgate_dot_cri_dot_api__pb2.ListContainerStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def UpdateRuntimeConfig(request,
             target,
             options=(),
@@ -820,6 +1008,33 @@ class RuntimeService:
             '/runtime.v1.RuntimeService/Status',
             podgate_dot_cri_dot_api__pb2.StatusRequest.SerializeToString,
             podgate_dot_cri_dot_api__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RuntimeConfig(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/runtime.v1.RuntimeService/RuntimeConfig',
+            podgate_dot_cri_dot_api__pb2.RuntimeConfigRequest.SerializeToString,
+            podgate_dot_cri_dot_api__pb2.RuntimeConfigResponse.FromString,
             options,
             channel_credentials,
             insecure,

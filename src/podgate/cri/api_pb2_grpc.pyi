@@ -51,12 +51,17 @@ class RuntimeServiceStub:
     RemoveContainer: _grpc.UnaryUnaryMultiCallable[_api_pb2.RemoveContainerRequest, _api_pb2.RemoveContainerResponse]
     ListContainers: _grpc.UnaryUnaryMultiCallable[_api_pb2.ListContainersRequest, _api_pb2.ListContainersResponse]
     ContainerStatus: _grpc.UnaryUnaryMultiCallable[_api_pb2.ContainerStatusRequest, _api_pb2.ContainerStatusResponse]
+    UpdateContainerResources: _grpc.UnaryUnaryMultiCallable[_api_pb2.UpdateContainerResourcesRequest, _api_pb2.UpdateContainerResourcesResponse]
+    ReopenContainerLog: _grpc.UnaryUnaryMultiCallable[_api_pb2.ReopenContainerLogRequest, _api_pb2.ReopenContainerLogResponse]
     ExecSync: _grpc.UnaryUnaryMultiCallable[_api_pb2.ExecSyncRequest, _api_pb2.ExecSyncResponse]
     Exec: _grpc.UnaryUnaryMultiCallable[_api_pb2.ExecRequest, _api_pb2.ExecResponse]
     Attach: _grpc.UnaryUnaryMultiCallable[_api_pb2.AttachRequest, _api_pb2.AttachResponse]
     PortForward: _grpc.UnaryUnaryMultiCallable[_api_pb2.PortForwardRequest, _api_pb2.PortForwardResponse]
+    ContainerStats: _grpc.UnaryUnaryMultiCallable[_api_pb2.ContainerStatsRequest, _api_pb2.ContainerStatsResponse]
+    ListContainerStats: _grpc.UnaryUnaryMultiCallable[_api_pb2.ListContainerStatsRequest, _api_pb2.ListContainerStatsResponse]
     UpdateRuntimeConfig: _grpc.UnaryUnaryMultiCallable[_api_pb2.UpdateRuntimeConfigRequest, _api_pb2.UpdateRuntimeConfigResponse]
     Status: _grpc.UnaryUnaryMultiCallable[_api_pb2.StatusRequest, _api_pb2.StatusResponse]
+    RuntimeConfig: _grpc.UnaryUnaryMultiCallable[_api_pb2.RuntimeConfigRequest, _api_pb2.RuntimeConfigResponse]
 
 @_typing.type_check_only
 class RuntimeServiceAsyncStub(RuntimeServiceStub):
@@ -75,12 +80,17 @@ class RuntimeServiceAsyncStub(RuntimeServiceStub):
     RemoveContainer: _aio.UnaryUnaryMultiCallable[_api_pb2.RemoveContainerRequest, _api_pb2.RemoveContainerResponse]  # type: ignore[assignment]
     ListContainers: _aio.UnaryUnaryMultiCallable[_api_pb2.ListContainersRequest, _api_pb2.ListContainersResponse]  # type: ignore[assignment]
     ContainerStatus: _aio.UnaryUnaryMultiCallable[_api_pb2.ContainerStatusRequest, _api_pb2.ContainerStatusResponse]  # type: ignore[assignment]
+    UpdateContainerResources: _aio.UnaryUnaryMultiCallable[_api_pb2.UpdateContainerResourcesRequest, _api_pb2.UpdateContainerResourcesResponse]  # type: ignore[assignment]
+    ReopenContainerLog: _aio.UnaryUnaryMultiCallable[_api_pb2.ReopenContainerLogRequest, _api_pb2.ReopenContainerLogResponse]  # type: ignore[assignment]
     ExecSync: _aio.UnaryUnaryMultiCallable[_api_pb2.ExecSyncRequest, _api_pb2.ExecSyncResponse]  # type: ignore[assignment]
     Exec: _aio.UnaryUnaryMultiCallable[_api_pb2.ExecRequest, _api_pb2.ExecResponse]  # type: ignore[assignment]
     Attach: _aio.UnaryUnaryMultiCallable[_api_pb2.AttachRequest, _api_pb2.AttachResponse]  # type: ignore[assignment]
     PortForward: _aio.UnaryUnaryMultiCallable[_api_pb2.PortForwardRequest, _api_pb2.PortForwardResponse]  # type: ignore[assignment]
+    ContainerStats: _aio.UnaryUnaryMultiCallable[_api_pb2.ContainerStatsRequest, _api_pb2.ContainerStatsResponse]  # type: ignore[assignment]
+    ListContainerStats: _aio.UnaryUnaryMultiCallable[_api_pb2.ListContainerStatsRequest, _api_pb2.ListContainerStatsResponse]  # type: ignore[assignment]
     UpdateRuntimeConfig: _aio.UnaryUnaryMultiCallable[_api_pb2.UpdateRuntimeConfigRequest, _api_pb2.UpdateRuntimeConfigResponse]  # type: ignore[assignment]
     Status: _aio.UnaryUnaryMultiCallable[_api_pb2.StatusRequest, _api_pb2.StatusResponse]  # type: ignore[assignment]
+    RuntimeConfig: _aio.UnaryUnaryMultiCallable[_api_pb2.RuntimeConfigRequest, _api_pb2.RuntimeConfigResponse]  # type: ignore[assignment]
 
 class RuntimeServiceServicer(metaclass=_abc_1.ABCMeta):
     """Runtime service defines the public APIs for remote container runtimes."""
@@ -170,6 +180,20 @@ class RuntimeServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_api_pb2.ContainerStatusResponse, _abc.Awaitable[_api_pb2.ContainerStatusResponse]]: ...
 
     @_abc_1.abstractmethod
+    def UpdateContainerResources(
+        self,
+        request: _api_pb2.UpdateContainerResourcesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_api_pb2.UpdateContainerResourcesResponse, _abc.Awaitable[_api_pb2.UpdateContainerResourcesResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ReopenContainerLog(
+        self,
+        request: _api_pb2.ReopenContainerLogRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_api_pb2.ReopenContainerLogResponse, _abc.Awaitable[_api_pb2.ReopenContainerLogResponse]]: ...
+
+    @_abc_1.abstractmethod
     def ExecSync(
         self,
         request: _api_pb2.ExecSyncRequest,
@@ -198,6 +222,20 @@ class RuntimeServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_api_pb2.PortForwardResponse, _abc.Awaitable[_api_pb2.PortForwardResponse]]: ...
 
     @_abc_1.abstractmethod
+    def ContainerStats(
+        self,
+        request: _api_pb2.ContainerStatsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_api_pb2.ContainerStatsResponse, _abc.Awaitable[_api_pb2.ContainerStatsResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ListContainerStats(
+        self,
+        request: _api_pb2.ListContainerStatsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_api_pb2.ListContainerStatsResponse, _abc.Awaitable[_api_pb2.ListContainerStatsResponse]]: ...
+
+    @_abc_1.abstractmethod
     def UpdateRuntimeConfig(
         self,
         request: _api_pb2.UpdateRuntimeConfigRequest,
@@ -210,6 +248,13 @@ class RuntimeServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _api_pb2.StatusRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_api_pb2.StatusResponse, _abc.Awaitable[_api_pb2.StatusResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def RuntimeConfig(
+        self,
+        request: _api_pb2.RuntimeConfigRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_api_pb2.RuntimeConfigResponse, _abc.Awaitable[_api_pb2.RuntimeConfigResponse]]: ...
 
 def add_RuntimeServiceServicer_to_server(servicer: RuntimeServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

@@ -76,7 +76,7 @@ def _sleep_until_stopped() -> int:
             return 0
 
 
-def _run_pid_ns(ready_file: str) -> int:
+def _run_pid_ns(ready_file: str, empty_root: str = "") -> int:
     sync_r, sync_w = os.pipe()
     child = os.fork()
     if child == 0:
@@ -93,6 +93,8 @@ def _run_pid_ns(ready_file: str) -> int:
     os.read(sync_r, 1)  # EOF once the child runs with signals blocked
     os.close(sync_r)
     atomic_write_json(ready_file, {"holder_pid": os.getpid(), "ns_pid": child})
+    if empty_root:
+        _leave_node_filesystem(empty_root)  # the child shares the namespace and root: both
     while True:
         sig = signal.sigwait(_WAITED_SIGNALS)
         if sig in _STOP_SIGNALS:
@@ -101,6 +103,17 @@ def _run_pid_ns(ready_file: str) -> int:
         pid, status = os.waitpid(child, os.WNOHANG)
         if pid == child:
             return _exit_code(status)
+
+
+def _set_sysctl(key: str, value: str) -> None:
+    """Write a sysctl of our own (new) namespaces: /proc/sys/net and the IPC keys follow the
+    writer's namespaces."""
+    path = "/proc/sys/" + key.replace(".", "/")
+    try:
+        with open(path, "w", encoding="ascii") as f:
+            f.write(value)
+    except OSError as exc:
+        raise OSError(exc.errno, f"sysctl {key}={value}: {exc.strerror}") from exc
 
 
 def _noop_handler(signum: int, frame: object) -> None:
@@ -118,6 +131,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--hostname", default="")
     parser.add_argument("--pid-ns", action="store_true", help="also a new PID namespace")
     parser.add_argument("--foreground", action="store_true", help="do not fork away")
+    parser.add_argument(
+        "--empty-root",
+        metavar="DIR",
+        default="",
+        help="once ready, live in a private mount namespace whose root is an empty tmpfs on DIR",
+    )
+    parser.add_argument(
+        "--sysctl", action="append", default=[], metavar="KEY=VALUE", help="namespaced sysctl"
+    )
     args = parser.parse_args(argv)
 
     # Handlers keep the signals from being ignored; blocking routes them to sigwait.
@@ -129,20 +151,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     flags = ns.CLONE_NEWNET | ns.CLONE_NEWUTS | ns.CLONE_NEWIPC
     if args.pid_ns:
         flags |= ns.CLONE_NEWPID
+    if args.empty_root:
+        flags |= ns.CLONE_NEWNS
     try:
         ns.unshare(flags)
         if args.hostname:
             socket.sethostname(args.hostname)
         ns.set_link_up("lo")
+        for item in args.sysctl:
+            _set_sysctl(*item.split("=", 1))
+        if args.empty_root:
+            ns.make_mounts_private()
     except OSError as exc:
         message = f"pod holder setup failed: {exc}"
         print(message, file=sys.stderr)
         atomic_write_json(args.ready_file, {"error": message})
         return 1
     if args.pid_ns:
-        return _run_pid_ns(args.ready_file)
+        return _run_pid_ns(args.ready_file, args.empty_root)
     atomic_write_json(args.ready_file, {"holder_pid": os.getpid(), "ns_pid": os.getpid()})
+    if args.empty_root:
+        _leave_node_filesystem(args.empty_root)
     return _sleep_until_stopped()
+
+
+def _leave_node_filesystem(directory: str) -> None:
+    """A pod's processes see the holder as /proc/1: its root must not be the node's."""
+    try:
+        ns.enter_empty_root(directory)
+    except OSError as exc:
+        print(f"pod holder: cannot leave the node's filesystem: {exc}", file=sys.stderr)
+        os._exit(1)
 
 
 async def start_holder(
@@ -151,6 +190,8 @@ async def start_holder(
     ready_file: str,
     log_file: str,
     *,
+    sysctls: dict[str, str] | None = None,
+    empty_root: str = "",
     timeout: float = HOLDER_START_TIMEOUT,
 ) -> tuple[ProcessRef, ProcessRef]:
     """Start a detached holder and wait for it; returns (holder, namespace process) refs.
@@ -166,6 +207,11 @@ async def start_holder(
         argv += ["--hostname", hostname]
     if pid_ns:
         argv.append("--pid-ns")
+    for key, value in (sysctls or {}).items():
+        argv += ["--sysctl", f"{key}={value}"]
+    if empty_root:
+        os.makedirs(empty_root, mode=0o755, exist_ok=True)
+        argv += ["--empty-root", empty_root]
     try:
         await spawn_detached(argv, log_file)
         data = await wait_ready_file(ready_file, timeout, log_file)

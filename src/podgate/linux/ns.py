@@ -12,6 +12,7 @@ import ctypes
 import errno
 import fcntl
 import os
+import platform
 import socket
 import struct
 import threading
@@ -39,6 +40,7 @@ __all__ = [
     "NamespaceRestoreError",
     "NetnsWorker",
     "connect_in_netns",
+    "enter_empty_root",
     "in_netns",
     "link_flags",
     "make_mounts_private",
@@ -127,6 +129,25 @@ def mount(
         _libc.mount(enc(source), enc(target), enc(fstype), flags, enc(data)),
         f"mount {target}",
     )
+
+
+_SYS_PIVOT_ROOT: Final = {"x86_64": 155, "aarch64": 41}
+_MNT_DETACH: Final = 2
+
+
+def enter_empty_root(directory: str) -> None:
+    """Make a private tmpfs on `directory` the root of the calling process's (new, private)
+    mount namespace and drop the old root: nothing of the node's filesystem stays reachable,
+    not even through /proc/<pid>/root. runc's pivot_root(".", ".") sequence."""
+    mount("tmpfs", directory, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,mode=0555")
+    os.chdir(directory)
+    _libc.syscall.restype = ctypes.c_long
+    number = _SYS_PIVOT_ROOT.get(platform.machine())
+    if number is None:
+        raise OSError(errno.ENOSYS, f"pivot_root: unknown architecture {platform.machine()}")
+    _check(_libc.syscall(number, b".", b"."), "pivot_root")
+    _check(_libc.umount2(b".", _MNT_DETACH), "umount old root")
+    os.chdir("/")
 
 
 def make_mounts_private() -> None:

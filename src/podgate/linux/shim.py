@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ctypes
 import errno
 import fcntl
 import os
@@ -41,6 +42,8 @@ from podgate.linux.proc import (
     wait_ready_file,
 )
 from podgate.model import NamespaceMode, ProcessRef
+from podgate.oci import cgroups
+from podgate.oci.runc import Runc, RuncError
 from podgate.proto.attach import (
     AttachCodec,
     AttachProtocolError,
@@ -123,6 +126,9 @@ class ShimSpec:
     shim_log: str = ""  # the shim's own stderr; "" = `<ready_file>.log`
     # Bind mounts {"host_path", "container_path", "readonly"} (CRI Mount and NRI adjustments).
     mounts: list[dict[str, Any]] = field(default_factory=list)
+    # Run through an OCI runtime: {"binary", "root", "log", "bundle", "cgroup"} (empty: the
+    # shim forks and execs the command itself, on the node's filesystem).
+    oci: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -144,6 +150,7 @@ class ShimSpec:
             "log_file": self.log_file,
             "shim_log": self.shim_log,
             "mounts": [dict(m) for m in self.mounts],
+            "oci": dict(self.oci),
         }
 
     @classmethod
@@ -420,6 +427,100 @@ def _start_container(spec: ShimSpec) -> tuple[int, _Stdio]:
     return pid, stdio
 
 
+_PR_SET_CHILD_SUBREAPER: Final = 36
+# runc sends the pty master over the console socket with SCM_RIGHTS: one fd, a short name.
+_CONSOLE_MSG_BYTES: Final = 4096
+
+
+def _set_subreaper() -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"PR_SET_CHILD_SUBREAPER: {os.strerror(err)}")
+
+
+def _runc(spec: ShimSpec) -> Runc:
+    return Runc(spec.oci["binary"], spec.oci["root"], spec.oci["log"])
+
+
+def _receive_console(listener: socket.socket) -> int:
+    conn, _ = listener.accept()
+    with conn:
+        fds: list[int] = []
+        _, fds, _, _ = socket.recv_fds(conn, _CONSOLE_MSG_BYTES, 1)
+    if not fds:
+        raise _StartError("the OCI runtime sent no console")
+    os.set_inheritable(fds[0], False)
+    return fds[0]
+
+
+def _start_oci(spec: ShimSpec) -> tuple[int, _Stdio]:
+    """`runc create` with our pipes as the container's stdio (or a console socket for a tty),
+    `runc start`; the container's init is re-parented to us (a subreaper) once create exits.
+    Returns (init's host pid, our stdio ends)."""
+    runc = _runc(spec)
+    bundle = spec.oci["bundle"]
+    pid_file = os.path.join(bundle, "init.pid")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(pid_file)
+    _set_subreaper()
+    console: socket.socket | None = None
+    console_path = ""
+    try:
+        if spec.tty:
+            console_path = os.path.join(os.path.dirname(spec.attach_socket), "console.sock")
+            console = _listen(console_path)
+            stdio_fds: tuple[int, int, int] | None = None
+        else:
+            stdio = _open_stdio(spec)
+            stdio_fds = stdio.child
+        try:
+            if stdio_fds is None:
+                runc.run_sync(
+                    runc.create_args(spec.container_id, bundle, pid_file, console_path),
+                    stderr=sys.stderr.fileno(),
+                )
+            else:
+                runc.run_sync(
+                    runc.create_args(spec.container_id, bundle, pid_file),
+                    stdin=stdio_fds[0],
+                    stdout=stdio_fds[1],
+                    stderr=stdio_fds[2],
+                )
+        finally:
+            if stdio_fds is not None:
+                for fd in stdio.to_close_after_fork:
+                    os.close(fd)
+        if console is not None:
+            master = _receive_console(console)
+            stdin = os.dup(master) if spec.stdin else None
+            stdio = _Stdio((-1, -1, -1), [], stdin, {"stdout": master}, master)
+        runc.run_sync(["start", spec.container_id], stderr=sys.stderr.fileno())
+        with open(pid_file, encoding="ascii") as f:
+            pid = int(f.read().strip())
+    except RuncError as exc:
+        with contextlib.suppress(RuncError):
+            runc.run_sync(["delete", "--force", spec.container_id])
+        raise _StartError(str(exc)) from exc
+    finally:
+        if console is not None:
+            console.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(console_path)
+    return pid, stdio
+
+
+def _finish_oci(spec: ShimSpec) -> bool:
+    """After the init exited: whether the OOM killer struck, then `runc delete --force`
+    (kills what is left in the container's cgroup and removes it)."""
+    oom = cgroups.oom_kills(spec.oci.get("cgroup", "")) > 0 if spec.oci.get("cgroup") else False
+    try:
+        _runc(spec).run_sync(["delete", "--force", spec.container_id])
+    except RuncError as exc:
+        print(f"shim: runc delete failed: {exc}", file=sys.stderr)
+    return oom
+
+
 def _listen(path: str) -> socket.socket:
     if len(os.fsencode(path)) > _MAX_SOCKET_PATH:
         raise _StartError(f"attach socket path too long: {path}")
@@ -527,6 +628,19 @@ class _Shim:
         self.output_done: dict[str, asyncio.Future[None]] = {}
         self.exit_code: int | None = None  # set once clients are being sent EXIT
 
+    def _reopen_log(self) -> None:
+        """The kubelet's rotation renamed the log: continue in a new file at its path."""
+        if not self.spec.log_file:
+            return
+        try:
+            new = open(self.spec.log_file, "ab", buffering=0)  # noqa: SIM115 - kept open
+        except OSError as exc:
+            print(f"shim: reopening the log failed: {exc}", file=sys.stderr)
+            return
+        old, self.log = self.log, new
+        if old is not None:
+            old.close()
+
     def _write_log(self, entry: bytes) -> None:
         if self.log is None:
             return
@@ -547,20 +661,22 @@ class _Shim:
         pidfd = os.pidfd_open(self.pid)
         loop.add_reader(pidfd, _resolve, exited)
         server = await asyncio.start_unix_server(self._serve_client, sock=self.listener)
+        loop.add_signal_handler(signal.SIGUSR1, self._reopen_log)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
         try:
             await exited
             loop.remove_reader(pidfd)
             exit_code = _reap(self.pid)
+            reason = "Completed" if exit_code == 0 else "Error"
+            if self.spec.oci:
+                oom = await asyncio.to_thread(_finish_oci, self.spec)
+                if oom:
+                    reason = "OOMKilled"
             await self._drain_output()
             self._flush_log()
             atomic_write_json(
                 self.spec.exit_file,
-                {
-                    "exit_code": exit_code,
-                    "finished_at": time.time_ns(),
-                    # OOMKilled would need the cgroup's memory events; podgate sets no limits.
-                    "reason": "Completed" if exit_code == 0 else "Error",
-                },
+                {"exit_code": exit_code, "finished_at": time.time_ns(), "reason": reason},
             )
             server.close()
             self.exit_code = exit_code
@@ -716,7 +832,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             os.makedirs(os.path.dirname(os.path.abspath(spec.log_file)), exist_ok=True)
             log = open(spec.log_file, "ab", buffering=0)  # noqa: SIM115 - lives until exit
         listener = _listen(spec.attach_socket)
-        pid, stdio = _start_container(spec)
+        pid, stdio = _start_oci(spec) if spec.oci else _start_container(spec)
     except (_StartError, OSError) as exc:
         message = str(exc) if isinstance(exc, _StartError) else f"shim setup failed: {exc}"
         print(f"shim: {message}", file=sys.stderr)
@@ -726,6 +842,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 os.unlink(spec.attach_socket)
         atomic_write_json(spec.ready_file, {"error": message})
         return 1
+    # SIGUSR1 (reopen the log) stays pending until the event loop handles it; blocked only
+    # now, so the container never inherits the mask. The runtime learns our pid below.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
     shim = process_ref(os.getpid())
     container = process_ref(pid)
     atomic_write_json(

@@ -54,6 +54,10 @@ class PodConfig:
     network_mode: NamespaceMode = NamespaceMode.POD  # NODE = host network
     ipc_mode: NamespaceMode = NamespaceMode.POD
     runtime_handler: str = ""
+    cgroup_parent: str = ""
+    privileged: bool = False
+    dns: dict[str, list[str]] | None = None
+    sysctls: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -61,6 +65,24 @@ class ExecSyncResult:
     stdout: bytes
     stderr: bytes
     exit_code: int
+
+
+@dataclass(slots=True)
+class ContainerUsage:
+    """A container's resource use, from its cgroup and its writable layer."""
+
+    timestamp: int  # ns since the epoch
+    cpu_usage_ns: int = 0
+    cpu_nano_cores: int | None = None  # needs an earlier sample
+    memory_usage: int = 0
+    memory_working_set: int = 0
+    memory_rss: int = 0
+    memory_available: int | None = None  # only with a limit
+    page_faults: int = 0
+    major_page_faults: int = 0
+    writable_mountpoint: str = ""
+    writable_bytes: int = 0
+    writable_inodes: int = 0
 
 
 @dataclass(slots=True)
@@ -143,6 +165,19 @@ class RuntimeApi(Protocol):
     ) -> str: ...
 
     def port_forward_url(self, pod_id: str, ports: Sequence[int]) -> str: ...
+
+    # -- resources, stats, logs
+    async def container_usage(self, container: ContainerRecord) -> ContainerUsage: ...
+
+    async def update_container_resources(
+        self, container_id: str, resources: Mapping[str, object]
+    ) -> None:
+        """Apply CRI LinuxContainerResources fields (zero = unchanged) and record them."""
+        ...
+
+    async def reopen_container_log(self, container_id: str) -> None:
+        """The log file is reopened (created at its path) before this returns."""
+        ...
 
     # -- runtime
     def conditions(self) -> list[RuntimeCondition]: ...

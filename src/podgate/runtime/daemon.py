@@ -68,6 +68,7 @@ class RuntimeConfig:
     nri: NriConfig | None = None  # None: no NRI at all
     nri_network: bool = False  # NRI plugins own pod networking (else loopback only)
     file: FileConfig = field(default_factory=FileConfig)  # `--config FILE`: images, registries
+    oci_runtime: str = "runc"  # the OCI runtime binary for containers with a root
 
     @property
     def cri_socket_path(self) -> str:
@@ -86,7 +87,7 @@ class RunningRuntime:
 @contextlib.asynccontextmanager
 async def running_runtime(config: RuntimeConfig) -> AsyncIterator[RunningRuntime]:
     """Start everything; stop the servers (not the pods) on exit."""
-    runtime = Runtime(config.state_dir)
+    runtime = Runtime(config.state_dir, config.oci_runtime)
     runtime.load()
     # Loading the image store also removes what an interrupted pull or import left behind.
     images = await asyncio.to_thread(

@@ -14,6 +14,7 @@ import logging
 import os
 import secrets
 import signal
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -31,9 +32,14 @@ from podgate.model import (
     PodRecord,
     PodState,
 )
+from podgate.oci import cgroups, overlay
+from podgate.oci.bundle import write_json as write_private_json
+from podgate.oci.securejoin import secure_join
+from podgate.oci.spec import SpecError, pod_sysctls
 from podgate.proto import remotecommand as rc
 from podgate.proto.upgrade import StreamKind
 from podgate.runtime.api import (
+    ContainerUsage,
     DeadlineExceededError,
     ExecSyncResult,
     FailedPreconditionError,
@@ -44,6 +50,7 @@ from podgate.runtime.api import (
     RuntimeCondition,
 )
 from podgate.runtime.nri import RuntimeNri
+from podgate.runtime.oci import OciContainers, OciError, discard, node_hostname
 from podgate.runtime.sandbox import lifecycle as sandbox
 from podgate.runtime.store import Store
 from podgate.runtime.streaming import PendingStream, StreamingServer
@@ -54,12 +61,31 @@ log = logging.getLogger(__name__)
 
 # ExecSync output kept per stream; more is dropped (as the kubelet's exec probes expect).
 EXEC_SYNC_MAX_OUTPUT = 16 * 1024 * 1024
+# How long ExecSync keeps reading output after the command exited (a background child may hold
+# the pipes open forever), seconds.
+EXEC_SYNC_DRAIN_SECONDS = 0.5
+# How long an exec helper gets to kill its process after SIGTERM, seconds.
+EXEC_KILL_GRACE_SECONDS = 2.0
+# How long a shim may take to reopen a container's log file, seconds.
+REOPEN_LOG_SECONDS = 5.0
 # Grace given to containers still running when their pod is stopped.
 POD_STOP_GRACE_SECONDS = 2.0
 # How long a stopped process may take to disappear after SIGKILL.
 KILL_WAIT_SECONDS = 10.0
 NSENTER = "/usr/bin/nsenter"
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+class ExecStartError(Exception):
+    """An exec'd command never ran (the OCI runtime or nsenter failed); INTERNAL for CRI."""
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
 
 
 def now_ns() -> int:
@@ -72,14 +98,17 @@ class Runtime:
     name = "podgate"
     version = __version__
 
-    def __init__(self, state_dir: str | Path) -> None:
+    def __init__(self, state_dir: str | Path, oci_runtime: str = "runc") -> None:
         self.store = Store(state_dir)
+        self.oci = OciContainers(self.store.root, oci_runtime)
         self.pods: dict[str, PodRecord] = {}
         self.containers: dict[str, ContainerRecord] = {}
         self.streaming: StreamingServer | None = None
         self.pod_cidr = ""
         self.nri: RuntimeNri | None = None  # NRI events (and pod networking) when enabled
         self._locks: dict[str, asyncio.Lock] = {}
+        # The last CPU reading per container: (ns since the epoch, CPU ns), for nano-cores.
+        self._cpu_samples: dict[str, tuple[int, int]] = {}
 
     # ------------------------------------------------------------------ startup
     def load(self) -> None:
@@ -202,7 +231,8 @@ class Runtime:
             metadata=meta,
             state=PodState.NOTREADY,
             created_at=now_ns(),
-            hostname=config.hostname or meta.name,
+            # containerd: the config's hostname, else the node's; never the pod's name.
+            hostname=config.hostname or node_hostname(),
             log_directory=log_dir,
             runtime_handler=config.runtime_handler,
             labels=dict(config.labels),
@@ -210,7 +240,19 @@ class Runtime:
             pid_mode=config.pid_mode,
             network_mode=config.network_mode,
             ipc_mode=config.ipc_mode,
+            cgroup_parent=config.cgroup_parent,
+            privileged=config.privileged,
+            dns=config.dns,
+            sysctls=dict(config.sysctls),
         )
+        try:
+            sysctls = pod_sysctls(
+                config.sysctls,
+                host_network=pod.network_mode is NamespaceMode.NODE,
+                host_ipc=pod.ipc_mode is NamespaceMode.NODE,
+            )
+        except SpecError as exc:
+            raise InvalidArgumentError(str(exc)) from exc
         run = self.store.run_path(pod_id)
         async with self._lock(pod_id):
             try:
@@ -219,8 +261,16 @@ class Runtime:
                     pid_ns=pod.pid_mode is NamespaceMode.POD,
                     ready_file=str(run / "holder.json"),
                     log_file=str(run / "holder.log"),
+                    sysctls=sysctls,
+                    empty_root="" if sandbox.is_sandboxed(pod) else str(run / "holder-root"),
                 )
                 pod.holder, pod.ns_process = holder, ns_process
+                try:
+                    self.oci.pod_files(pod, run)
+                except OSError as exc:
+                    raise FailedPreconditionError(
+                        f"failed to set up the pod's files: {exc}"
+                    ) from exc
                 await sandbox.start_for_pod(pod, run)  # sandboxed pods: guest, shim and agent
                 if self.nri is not None:
                     try:
@@ -265,6 +315,7 @@ class Runtime:
             await sandbox.stop_for_pod(pod)  # sandboxed pods: the shim and the guest
             if pod.holder is not None:
                 await holder_mod.stop_holder(pod.holder)
+            self.oci.release_pod(pod, self.store.run_path(pod.id))
             pod.state = PodState.NOTREADY
             self.store.save_pod(pod)
 
@@ -280,6 +331,7 @@ class Runtime:
             await self.nri.pod_removed(pod)
         self.pods.pop(pod.id, None)
         self.store.delete_pod(pod.id)
+        self.oci.remove_pod_cgroup(pod)
         self.store.remove_run_path(pod.id)
 
     async def pod_network(self, pod: PodRecord) -> tuple[str, list[str]]:
@@ -309,8 +361,12 @@ class Runtime:
             raise FailedPreconditionError(f"pod sandbox {pod.id} is not ready")
         if not metadata.name:
             raise InvalidArgumentError("container metadata needs a name")
-        if not spec.command and not spec.args:
+        if not spec.rootfs and not spec.command and not spec.args:
             raise InvalidArgumentError("container needs a command")
+        if spec.rootfs and sandbox.is_sandboxed(pod):
+            raise InvalidArgumentError(
+                f"runtime handler {pod.runtime_handler!r} does not run containers from a root yet"
+            )
         if spec.tty and not spec.stdin and spec.stdin_once:
             raise InvalidArgumentError("stdin_once needs stdin")
         for other in self.pod_containers(pod.id):
@@ -322,7 +378,7 @@ class Runtime:
         container_id = secrets.token_hex(32)
         log_file = ""
         if spec.log_path:
-            log_file = str(Path(pod.log_directory) / spec.log_path)
+            log_file = secure_join(pod.log_directory, spec.log_path)
         elif pod.log_directory:
             log_file = str(Path(pod.log_directory) / metadata.name / f"{metadata.attempt}.log")
         container = ContainerRecord(
@@ -341,6 +397,16 @@ class Runtime:
                 await self.nri.container_creating(pod, container)  # plugins' adjustments
             except Exception as exc:
                 raise FailedPreconditionError(f"NRI CreateContainer failed: {exc}") from exc
+        if spec.rootfs:
+            run = self.store.run_path(container_id)
+            try:
+                await asyncio.to_thread(
+                    self.oci.create, pod, container, self.store.run_path(pod.id), run
+                )
+            except OciError as exc:
+                self.store.remove_run_path(container_id)
+                raise InvalidArgumentError(f"failed to create container: {exc}") from exc
+            container.user = self.oci.user(run)
         self.containers[container_id] = container
         self.store.save_container(container)
         if self.nri is not None:
@@ -390,6 +456,7 @@ class Runtime:
                 mounts=[m for m in spec.mounts if m.get("host_path") and m.get("container_path")],
                 ready_file=str(run / "ready.json"),
                 shim_log=str(run / "shim.log"),
+                oci=self.oci.shim_config(container, run) if spec.rootfs else {},
             )
             try:
                 ready = await shim_mod.start_shim(shim_spec)
@@ -455,8 +522,11 @@ class Runtime:
             await self._stop_container(container, 0)
             self.containers.pop(container.id, None)
             self.store.delete_container(container.id)
-            if container.log_file:
-                self.store.remove_file(container.log_file)
+            if container.spec.rootfs:
+                await asyncio.to_thread(
+                    self.oci.remove, container, self.store.run_path(container.id)
+                )
+            # Log files are the caller's (the kubelet deletes them), as containerd leaves them.
             self.store.remove_run_path(container.id)
         pod = self.pods.get(container.pod_id)
         if self.nri is not None and pod is not None:
@@ -471,11 +541,23 @@ class Runtime:
             )
         return container
 
-    def exec_argv(self, container: ContainerRecord, command: Sequence[str]) -> list[str]:
-        """nsenter into every namespace of the container's main process, then run `command`
-        with the container's environment, user and working directory."""
+    def exec_argv(
+        self, container: ContainerRecord, command: Sequence[str], *, tty: bool = False
+    ) -> list[str]:
+        """argv that runs `command` in the container: `runc exec --process FILE` for a container
+        with a root (the file stays in the container's run directory until it is removed;
+        exec_command cleans up after itself), else nsenter into every namespace of the main
+        process with the container's environment, user and working directory."""
+        return self.exec_command(container, command, tty=tty)[0]
+
+    def exec_command(
+        self, container: ContainerRecord, command: Sequence[str], *, tty: bool = False
+    ) -> tuple[list[str], str]:
+        """(argv, a file to remove once the command ended, or "")."""
         assert container.process is not None
         spec = container.spec
+        if spec.rootfs:
+            return self.oci.exec_argv(container, self.store.run_path(container.id), command, tty)
         argv = [
             NSENTER,
             "--target",
@@ -494,7 +576,10 @@ class Runtime:
             argv += ["--setuid", str(spec.run_as_user)]
         pod = self.pods.get(container.pod_id)
         env = {"PATH": DEFAULT_PATH, "HOSTNAME": pod.hostname if pod else "", **spec.envs}
-        return [*argv, "--", "/usr/bin/env", "-i", *(f"{k}={v}" for k, v in env.items()), *command]
+        # The environment goes through a file (never an argv); nsexec closes our descriptors.
+        spec_file = self.store.run_path(container.id) / f"exec-{secrets.token_hex(8)}.json"
+        write_private_json(str(spec_file), {"argv": [*argv, "--", *command], "env": env})
+        return [sys.executable, "-m", "podgate.linux.nsexec", str(spec_file)], str(spec_file)
 
     async def exec_sync(
         self, container_id: str, command: Sequence[str], timeout: float
@@ -502,36 +587,95 @@ class Runtime:
         container = self.running_container(container_id)
         if not command:
             raise InvalidArgumentError("exec needs a command")
-        proc = await asyncio.create_subprocess_exec(
-            *self.exec_argv(container, command),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            start_new_session=True,
-        )
-        assert proc.stdout is not None and proc.stderr is not None
-
-        async def capped(stream: asyncio.StreamReader) -> bytes:
-            kept = bytearray()
-            while chunk := await stream.read(256 * 1024):
-                room = EXEC_SYNC_MAX_OUTPUT - len(kept)
-                if room > 0:
-                    kept += chunk[:room]
-            return bytes(kept)
-
-        gathered = asyncio.gather(capped(proc.stdout), capped(proc.stderr), proc.wait())
+        argv, cleanup = self.exec_command(container, command)
         try:
-            async with asyncio.timeout(timeout if timeout > 0 else None):
-                out, err, code = await gathered
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            await proc.wait()
-            gathered.cancel()
-            raise DeadlineExceededError(
-                f"command {list(command)} timed out after {timeout:g}s"
-            ) from None
-        return ExecSyncResult(out, err, 128 - code if code < 0 else code)
+            result = await _run_exec_sync(argv, command, timeout)
+            if cleanup:
+                failure = await asyncio.to_thread(_read_text, f"{cleanup}.error")
+                if failure is not None:
+                    detail = result.stderr.decode("utf-8", "replace").strip()
+                    raise ExecStartError(f"failed to exec in container: {detail or failure}")
+            return result
+        finally:
+            if cleanup:
+                discard(cleanup)
+                discard(f"{cleanup}.error")
+
+    # ------------------------------------------------------------------ resources, stats, logs
+    async def container_usage(self, container: ContainerRecord) -> ContainerUsage:
+        """CPU and memory from the container's cgroup, the writable layer from its upper
+        directory. A container without a root has no cgroup of its own: zeros."""
+        run = self.store.run_path(container.id)
+        cgroup = self.oci.cgroup(run) if container.spec.rootfs else ""
+        if not cgroup:
+            return ContainerUsage(timestamp=now_ns(), writable_mountpoint=str(self.store.root))
+        sample = await asyncio.to_thread(cgroups.stats, cgroup)
+        upper = self.oci.bundle_dir(run) / "upper"
+        used, inodes = await asyncio.to_thread(overlay.disk_usage, str(upper))
+        limit = await asyncio.to_thread(cgroups.memory_limit, cgroup)
+        previous = self._cpu_samples.get(container.id)
+        self._cpu_samples[container.id] = (sample.timestamp, sample.cpu_usage_ns)
+        nano_cores = None
+        if previous is not None and sample.timestamp > previous[0]:
+            delta = max(sample.cpu_usage_ns - previous[1], 0)
+            nano_cores = delta * 1_000_000_000 // (sample.timestamp - previous[0])
+        return ContainerUsage(
+            timestamp=sample.timestamp,
+            cpu_usage_ns=sample.cpu_usage_ns,
+            cpu_nano_cores=nano_cores,
+            memory_usage=sample.memory_usage,
+            memory_working_set=sample.memory_working_set,
+            memory_rss=sample.memory_rss,
+            memory_available=max(limit - sample.memory_working_set, 0) if limit else None,
+            page_faults=sample.page_faults,
+            major_page_faults=sample.major_page_faults,
+            writable_mountpoint=str(upper),
+            writable_bytes=used,
+            writable_inodes=inodes,
+        )
+
+    async def update_container_resources(
+        self, container_id: str, resources: Mapping[str, object]
+    ) -> None:
+        container = self.get_container(container_id)
+        if not container.spec.rootfs:
+            raise FailedPreconditionError(
+                f"container {container.id} has no root of its own (no cgroup to update)"
+            )
+        async with self._lock(container.id):
+            if container.state not in (ContainerState.CREATED, ContainerState.RUNNING):
+                raise FailedPreconditionError(
+                    f"container {container.id} is {container.state.value}"
+                )
+            merged = dict(container.spec.resources)
+            merged.update({k: v for k, v in resources.items() if v})  # zero = unchanged
+            try:
+                await self.oci.update(
+                    container,
+                    self.store.run_path(container.id),
+                    merged,
+                    running=container.state is ContainerState.RUNNING,
+                )
+            except OciError as exc:
+                raise FailedPreconditionError(str(exc)) from exc
+            container.spec.resources = merged
+            self.store.save_container(container)
+
+    async def reopen_container_log(self, container_id: str) -> None:
+        container = self.get_container(container_id)
+        if container.state is not ContainerState.RUNNING or container.shim is None:
+            raise FailedPreconditionError("container is not running")
+        if not container.log_file:
+            return
+        if not signal_process(container.shim, signal.SIGUSR1):
+            raise FailedPreconditionError("container is not running")
+        deadline = time.monotonic() + REOPEN_LOG_SECONDS
+        while not await asyncio.to_thread(os.path.exists, container.log_file):
+            if time.monotonic() >= deadline:
+                raise FailedPreconditionError(
+                    f"the container's shim did not reopen {container.log_file}"
+                )
+            await asyncio.sleep(0.01)
 
     # ------------------------------------------------------------------ streaming URLs
     def pod_ref(self, pod: PodRecord) -> PodRef:
@@ -598,6 +742,65 @@ class Runtime:
 
     def update_runtime_config(self, pod_cidr: str) -> None:
         self.pod_cidr = pod_cidr
+
+
+async def _run_exec_sync(
+    argv: Sequence[str], command: Sequence[str], timeout: float
+) -> ExecSyncResult:
+    """Run `argv` to its exit, with output capped. Once it exited, output still buffered in
+    the pipes is read for at most EXEC_SYNC_DRAIN_SECONDS: a background child that keeps the
+    pipes open does not hold the answer back."""
+    proc = await asyncio.create_subprocess_exec(
+        *argv,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        start_new_session=True,
+        close_fds=True,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    kept = {"out": bytearray(), "err": bytearray()}
+
+    async def capped(stream: asyncio.StreamReader, buf: bytearray) -> None:
+        while chunk := await stream.read(256 * 1024):
+            room = EXEC_SYNC_MAX_OUTPUT - len(buf)
+            if room > 0:
+                buf += chunk[:room]
+
+    code: int | None = None
+    async with asyncio.TaskGroup() as tg:
+        readers = [
+            tg.create_task(capped(proc.stdout, kept["out"])),
+            tg.create_task(capped(proc.stderr, kept["err"])),
+        ]
+        try:
+            async with asyncio.timeout(timeout if timeout > 0 else None):
+                code = await proc.wait()
+        except TimeoutError:
+            await _kill_exec(proc)
+            for reader in readers:
+                reader.cancel()
+        else:
+            _, pending = await asyncio.wait(readers, timeout=EXEC_SYNC_DRAIN_SECONDS)
+            for reader in pending:
+                reader.cancel()
+    if code is None:
+        raise DeadlineExceededError(f"command {list(command)} timed out after {timeout:g}s")
+    return ExecSyncResult(bytes(kept["out"]), bytes(kept["err"]), 128 - code if code < 0 else code)
+
+
+async def _kill_exec(proc: asyncio.subprocess.Process) -> None:
+    """SIGTERM first (execwait then kills the container process), SIGKILL to the group."""
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGTERM)
+    try:
+        async with asyncio.timeout(EXEC_KILL_GRACE_SECONDS):
+            await proc.wait()
+    except TimeoutError:
+        pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    await proc.wait()
 
 
 def _check_stdio(tty: bool, stdin: bool, stdout: bool, stderr: bool) -> None:

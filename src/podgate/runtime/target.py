@@ -1,5 +1,5 @@
-"""The runtime as a StreamTarget: exec through nsenter, attach through the shim, port-forward
-through the pod's backend."""
+"""The runtime as a StreamTarget: exec through runc exec (or nsenter), attach through the
+shim, port-forward through the pod's backend."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from podgate.backends.base import BackendError, Backends
 from podgate.proto.errors import ProtocolError
 from podgate.runtime.api import RuntimeError_
 from podgate.runtime.attach import run_attach
+from podgate.runtime.oci import discard
 from podgate.runtime.runtime import Runtime
 from podgate.streaming.local import run_process
 from podgate.streaming.target import ExecIO, PodRef, TargetError
@@ -28,7 +29,13 @@ class RuntimeTarget:
             record = self.runtime.running_container(container or "")
         except RuntimeError_ as exc:
             raise TargetError(str(exc)) from exc
-        return await run_process(self.runtime.exec_argv(record, command), io)
+        argv, cleanup = self.runtime.exec_command(record, command, tty=io.tty)
+        try:
+            return await run_process(argv, io)
+        finally:
+            if cleanup:
+                discard(cleanup)
+                discard(f"{cleanup}.error")
 
     async def attach(self, pod: PodRef, container: str | None, io: ExecIO) -> int:
         try:

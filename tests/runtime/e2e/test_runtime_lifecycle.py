@@ -291,7 +291,8 @@ async def test_container_log_file_has_cri_format_lines(
     expected_path = log_directory / "writer" / "0.log"
     assert status.log_path == str(expected_path)
 
-    entries = parse_cri_log(expected_path.read_bytes())
+    data = expected_path.read_bytes()
+    entries = parse_cri_log(data)
     by_stream: dict[str, list[tuple[str, bytes]]] = {"stdout": [], "stderr": []}
     for timestamp, stream, tag, content in entries:
         assert status.created_at <= timestamp <= status.finished_at
@@ -301,6 +302,7 @@ async def test_container_log_file_has_cri_format_lines(
     assert by_stream["stderr"] == [("F", b"err1")]
     assert [e[0] for e in entries] == sorted(e[0] for e in entries)
 
-    # The pod's log directory is where the kubelet looks; removal takes the file with it.
+    # The pod's log directory is where the kubelet looks; the file is the caller's to delete
+    # (the kubelet removes logs itself before RemoveContainer, as with containerd).
     await cri.RemoveContainer(pb.RemoveContainerRequest(container_id=container))
-    assert not expected_path.exists()
+    assert expected_path.read_bytes() == data

@@ -22,7 +22,7 @@ from podgate.model import (
     PodRecord,
     PodState,
 )
-from podgate.runtime.api import InvalidArgumentError, PodConfig, RuntimeCondition
+from podgate.runtime.api import ContainerUsage, InvalidArgumentError, PodConfig, RuntimeCondition
 
 # Ports are 16-bit and port 0 cannot be connected to.
 MIN_PORT = 1
@@ -132,6 +132,18 @@ def pod_config(request: pb.RunPodSandboxRequest) -> PodConfig:
         network_mode=network_mode,
         ipc_mode=ipc_mode,
         runtime_handler=request.runtime_handler,
+        cgroup_parent=config.linux.cgroup_parent,
+        privileged=config.linux.security_context.privileged,
+        dns=(
+            {
+                "servers": list(config.dns_config.servers),
+                "searches": list(config.dns_config.searches),
+                "options": list(config.dns_config.options),
+            }
+            if config.HasField("dns_config")
+            else None
+        ),
+        sysctls=dict(config.linux.sysctls),
     )
 
 
@@ -178,13 +190,14 @@ def container_request(request: pb.CreateContainerRequest) -> ContainerRequest:
         raise InvalidArgumentError("config.metadata is required")
     require(config.metadata.name, "config.metadata.name")
     security = config.linux.security_context
-    if security.run_as_username:
-        # Resolving a user name needs the image's /etc/passwd; podgate has no images.
-        raise InvalidArgumentError("run_as_username is not supported; use run_as_user")
+    rootfs = _local_rootfs(config.image.image)
+    if security.run_as_username and not rootfs:
+        # Resolving a user name needs the image's /etc/passwd.
+        raise InvalidArgumentError("run_as_username needs a container root (an image)")
     run_as_user = security.run_as_user.value if security.HasField("run_as_user") else None
     run_as_group = security.run_as_group.value if security.HasField("run_as_group") else None
-    if run_as_group is not None and run_as_user is None:
-        raise InvalidArgumentError("run_as_group needs run_as_user")
+    if run_as_group is not None and run_as_user is None and not security.run_as_username:
+        raise InvalidArgumentError(f'user group "{run_as_group}" is specified without user')
     pid_mode = namespace_mode(
         security.namespace_options.pid, "config.linux.security_context.namespace_options.pid"
     )
@@ -205,6 +218,30 @@ def container_request(request: pb.CreateContainerRequest) -> ContainerRequest:
         log_path=config.log_path,
         pid_mode=pid_mode,
         mounts=[mount_to_dict(mount) for mount in config.mounts],
+        rootfs=rootfs,
+        run_as_username=security.run_as_username,
+        supplemental_groups=list(security.supplemental_groups),
+        supplemental_groups_strict=security.supplemental_groups_policy == pb.Strict,
+        privileged=security.privileged,
+        readonly_rootfs=security.readonly_rootfs,
+        no_new_privs=security.no_new_privs,
+        cap_add=list(security.capabilities.add_capabilities),
+        cap_drop=list(security.capabilities.drop_capabilities),
+        masked_paths=list(security.masked_paths),
+        readonly_paths=list(security.readonly_paths),
+        seccomp=_profile_type(security, "seccomp", "seccomp_profile_path"),
+        seccomp_ref=security.seccomp.localhost_ref if security.HasField("seccomp") else "",
+        apparmor=_profile_type(security, "apparmor", "apparmor_profile"),
+        apparmor_ref=security.apparmor.localhost_ref if security.HasField("apparmor") else "",
+        resources=resources(config.linux.resources),
+        devices=[
+            {
+                "container_path": d.container_path,
+                "host_path": d.host_path,
+                "permissions": d.permissions,
+            }
+            for d in config.devices
+        ],
     )
     return ContainerRequest(
         pod_id=pod_id,
@@ -213,6 +250,41 @@ def container_request(request: pb.CreateContainerRequest) -> ContainerRequest:
         labels=dict(config.labels),
         annotations=dict(config.annotations),
     )
+
+
+def _local_rootfs(image: str) -> list[str]:
+    """Until images are pulled, an absolute `image.image` names a root directory on the node
+    (the single lower layer of the container's overlay)."""
+    return [image] if image.startswith("/") else []
+
+
+def _profile_type(security: pb.LinuxContainerSecurityContext, name: str, legacy: str) -> str:
+    """The SecurityProfile type name ("RuntimeDefault", ...); else the deprecated string
+    (`runtime/default`, `unconfined`, `localhost/<ref>`); "" when neither is set (unset = no
+    seccomp filter, as containerd). The new field wins."""
+    if security.HasField(name):  # type: ignore[arg-type]
+        profile: pb.SecurityProfile = getattr(security, name)
+        return pb.SecurityProfile.ProfileType.Name(profile.profile_type)
+    return str(getattr(security, legacy))
+
+
+def resources(resources: pb.LinuxContainerResources) -> dict[str, Any]:
+    """The CRI resources podgate applies, zero values left out."""
+    out: dict[str, Any] = {}
+    for name in (
+        "cpu_period",
+        "cpu_quota",
+        "cpu_shares",
+        "memory_limit_in_bytes",
+        "memory_swap_limit_in_bytes",
+        "oom_score_adj",
+        "cpuset_cpus",
+        "cpuset_mems",
+    ):
+        value = getattr(resources, name)
+        if value:
+            out[name] = value
+    return out
 
 
 def pod_cidr(request: pb.UpdateRuntimeConfigRequest) -> str:
@@ -338,7 +410,23 @@ def container_status(record: ContainerRecord) -> pb.ContainerStatus:
         mounts=[mount_from_dict(mount) for mount in record.spec.mounts],
         log_path=record.log_file,
         image_id=image,
+        resources=pb.ContainerResources(linux=_linux_resources(record.spec.resources))
+        if record.spec.resources
+        else None,
+        user=pb.ContainerUser(
+            linux=pb.LinuxContainerUser(
+                uid=record.user["uid"],
+                gid=record.user["gid"],
+                supplemental_groups=record.user.get("additionalGids", []),
+            )
+        )
+        if record.user
+        else None,
     )
+
+
+def _linux_resources(values: Mapping[str, Any]) -> pb.LinuxContainerResources:
+    return pb.LinuxContainerResources(**dict(values))
 
 
 def container_info(record: ContainerRecord) -> dict[str, str]:
@@ -350,6 +438,41 @@ def container_info(record: ContainerRecord) -> dict[str, str]:
         "config": asdict(record.spec),
     }
     return {"info": json.dumps(info, sort_keys=True, default=str)}
+
+
+def _u64(value: int | None) -> pb.UInt64Value | None:
+    return None if value is None else pb.UInt64Value(value=max(value, 0))
+
+
+def container_stats(record: ContainerRecord, usage: ContainerUsage) -> pb.ContainerStats:
+    return pb.ContainerStats(
+        attributes=pb.ContainerAttributes(
+            id=record.id,
+            metadata=container_metadata(record.metadata),
+            labels=record.labels,
+            annotations=record.annotations,
+        ),
+        cpu=pb.CpuUsage(
+            timestamp=usage.timestamp,
+            usage_core_nano_seconds=_u64(usage.cpu_usage_ns),
+            usage_nano_cores=_u64(usage.cpu_nano_cores),
+        ),
+        memory=pb.MemoryUsage(
+            timestamp=usage.timestamp,
+            working_set_bytes=_u64(usage.memory_working_set),
+            available_bytes=_u64(usage.memory_available),
+            usage_bytes=_u64(usage.memory_usage),
+            rss_bytes=_u64(usage.memory_rss),
+            page_faults=_u64(usage.page_faults),
+            major_page_faults=_u64(usage.major_page_faults),
+        ),
+        writable_layer=pb.FilesystemUsage(
+            timestamp=usage.timestamp,
+            fs_id=pb.FilesystemIdentifier(mountpoint=usage.writable_mountpoint),
+            used_bytes=_u64(usage.writable_bytes),
+            inodes_used=_u64(usage.writable_inodes),
+        ),
+    )
 
 
 def runtime_condition(condition: RuntimeCondition) -> pb.RuntimeCondition:

@@ -46,6 +46,9 @@ SOCKET_MODE = 0o600
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 # ExecSync answers carry up to 16 MiB of stdout and 16 MiB of stderr plus framing.
 MAX_SEND_MESSAGE_BYTES = 2 * MAX_MESSAGE_BYTES + 1024 * 1024
+# Handlers Status lists ("" = the default, runc). Neither supports recursive read-only mounts
+# (runc 1.1 has no `rro`) nor user namespaces yet.
+RUNTIME_HANDLERS = ("", "sandboxed")
 # How long in-flight calls may finish after stop_cri is called.
 STOP_GRACE_SECONDS = 5.0
 
@@ -71,7 +74,23 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
     @cri_method
     async def Status(self, request: pb.StatusRequest, context: Context) -> pb.StatusResponse:
         conditions = [convert.runtime_condition(c) for c in self.runtime.conditions()]
-        return pb.StatusResponse(status=pb.RuntimeStatus(conditions=conditions))
+        return pb.StatusResponse(
+            status=pb.RuntimeStatus(conditions=conditions),
+            runtime_handlers=[
+                pb.RuntimeHandler(name=name, features=pb.RuntimeHandlerFeatures())
+                for name in RUNTIME_HANDLERS
+            ],
+            features=pb.RuntimeFeatures(supplemental_groups_policy=True),
+        )
+
+    @cri_method
+    async def RuntimeConfig(
+        self, request: pb.RuntimeConfigRequest, context: Context
+    ) -> pb.RuntimeConfigResponse:
+        # Containers' cgroups are directories under their parent: the cgroupfs driver.
+        return pb.RuntimeConfigResponse(
+            linux=pb.LinuxRuntimeConfiguration(cgroup_driver=pb.CGROUPFS)
+        )
 
     @cri_method
     async def UpdateRuntimeConfig(
@@ -210,6 +229,53 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
             status=convert.container_status(record),
             info=convert.container_info(record) if request.verbose else {},
         )
+
+    @cri_method
+    async def UpdateContainerResources(
+        self, request: pb.UpdateContainerResourcesRequest, context: Context
+    ) -> pb.UpdateContainerResourcesResponse:
+        container_id = convert.require(request.container_id, "container_id")
+        await self.runtime.update_container_resources(
+            container_id, convert.resources(request.linux)
+        )
+        return pb.UpdateContainerResourcesResponse()
+
+    @cri_method
+    async def ReopenContainerLog(
+        self, request: pb.ReopenContainerLogRequest, context: Context
+    ) -> pb.ReopenContainerLogResponse:
+        await self.runtime.reopen_container_log(
+            convert.require(request.container_id, "container_id")
+        )
+        return pb.ReopenContainerLogResponse()
+
+    @cri_method
+    async def ContainerStats(
+        self, request: pb.ContainerStatsRequest, context: Context
+    ) -> pb.ContainerStatsResponse:
+        record = self.runtime.get_container(convert.require(request.container_id, "container_id"))
+        usage = await self.runtime.container_usage(record)
+        return pb.ContainerStatsResponse(stats=convert.container_stats(record, usage))
+
+    @cri_method
+    async def ListContainerStats(
+        self, request: pb.ListContainerStatsRequest, context: Context
+    ) -> pb.ListContainerStatsResponse:
+        flt = request.filter
+        containers = self.runtime.list_containers()
+        if flt.id:
+            container_id = self._resolve_container_id(flt.id)
+            containers = [c for c in containers if c.id == container_id]
+        if flt.pod_sandbox_id:
+            pod_id = self._resolve_pod_id(flt.pod_sandbox_id)
+            containers = [c for c in containers if c.pod_id == pod_id]
+        containers = [
+            c for c in containers if convert.matches_selector(c.labels, flt.label_selector)
+        ]
+        stats = [
+            convert.container_stats(c, await self.runtime.container_usage(c)) for c in containers
+        ]
+        return pb.ListContainerStatsResponse(stats=stats)
 
     # ------------------------------------------------------------------ exec, attach, port-forward
 

@@ -13,6 +13,7 @@ import stat
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final
 
+from podgate.files import atomic_write
 from podgate.oci import cgroups, seccomp, spec, users
 from podgate.oci.securejoin import secure_join
 
@@ -172,11 +173,7 @@ def resolve_identity(
 
 def write_json(path: str, data: Any) -> None:
     """Write `data` to `path` (owner-only), replacing it atomically."""
-    tmp = f"{path}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, CONFIG_MODE)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(data, f)
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(data).encode(), mode=CONFIG_MODE)
 
 
 def join_in_root(root: str, path: str) -> str:

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
 
+from podgate.files import atomic_write
 from podgate.linux import ns
 from podgate.model import ContainerRecord, NamespaceMode, PodRecord
 from podgate.oci import bundle as bundle_mod
@@ -73,10 +74,7 @@ def _read_or_empty(path: str) -> str:
 
 
 def _write_file(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.chmod(tmp, POD_FILE_MODE)
-    os.replace(tmp, path)
+    atomic_write(path, text.encode(), mode=POD_FILE_MODE)
 
 
 class OciContainers:

@@ -22,6 +22,7 @@ from types import FrameType
 from rich.console import Console
 
 from bench import authflood as bench_authflood
+from bench import containerd as bench_containerd
 from bench import forward as bench_forward
 from bench import gateway as bench_gateway
 from bench import images as bench_images
@@ -126,6 +127,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=_names(bench_runtime.RUNTIME_PATH_NAMES),
         default=list(bench_runtime.RUNTIME_PATH_NAMES),
         help="comma-separated subset of the runtime paths (default: all)",
+    )
+    parser.add_argument(
+        "--containerd",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also measure containerd 1.6 live against podgate runtime: bulk port-forward, new "
+        "connections, new sessions, exec flood (default: on as root)",
     )
     parser.add_argument(
         "--gateway",
@@ -282,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         args.gateway if args.gateway is not None else os.geteuid() == 0 and not args.skip_kubectl
     )
     gateway = None
+    with_containerd = args.containerd if args.containerd is not None else os.geteuid() == 0
+    versus = None
     with_forward = (
         args.forward if args.forward is not None else os.geteuid() == 0 and not args.skip_kubectl
     )
@@ -299,6 +309,9 @@ def main(argv: list[str] | None = None) -> int:
         results = run_all(options, progress=progress)
         if with_runtime and options.throughput:
             runtime = bench_runtime.run_runtime(options, args.runtime_paths, progress)
+        if with_containerd:
+            flood = args.flood_seconds or bench_gateway.default_flood_seconds(options.size)
+            versus = bench_containerd.run_versus(options, progress, flood)
         if with_gateway and options.throughput:
             gateway = bench_gateway.run_gateway(
                 options, progress, args.flood_seconds, args.gateway_paths
@@ -330,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     data = results.as_dict()
     if runtime is not None:
         data["runtime"] = runtime
+    if versus is not None:
+        data["containerd"] = versus
     if gateway is not None:
         data["gateway"] = gateway
     if forward is not None:
@@ -348,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     md_path.write_text(
         markdown(data)
         + ("\n" + bench_runtime.markdown(runtime) if runtime is not None else "")
+        + ("\n" + bench_containerd.markdown(versus) if versus is not None else "")
         + ("\n" + bench_gateway.markdown(gateway) if gateway is not None else "")
         + ("\n" + bench_forward.markdown(forward) if forward is not None else "")
         + ("\n" + bench_startup.markdown(startup) if startup is not None else "")
@@ -358,6 +374,8 @@ def main(argv: list[str] | None = None) -> int:
     print_report(data, console)
     if runtime is not None:
         bench_runtime.print_report(runtime, console)
+    if versus is not None:
+        bench_containerd.print_report(versus, console)
     if gateway is not None:
         bench_gateway.print_report(gateway, console)
     if forward is not None:
@@ -373,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     console.print(f"results: {args.json} and {md_path}")
     failed = [s for s in data["summary"]["throughput"] + data["summary"]["conns"] if s["errors"]]
     if gateway is not None and bench_gateway.failed(gateway):
+        return 1
+    if versus is not None and bench_containerd.failed(versus):
         return 1
     if forward is not None and bench_forward.failed(forward):
         return 1

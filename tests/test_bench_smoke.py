@@ -31,6 +31,9 @@ def run_bench(tmp_path: Path, *args: str, timeout: float) -> tuple[dict[str, Any
     out = tmp_path / "results.json"
     # The image pull part has a smoke test of its own (tests/images/test_bench_images.py).
     images = [] if "--images" in args else ["--no-images"]
+    # So has the live containerd comparison (test_bench_containerd_part_...).
+    if "--containerd" not in args:
+        images.append("--no-containerd")
     done = subprocess.run(
         [sys.executable, "-m", "bench", *args, *images, "--json", str(out)],
         cwd=REPO,
@@ -337,3 +340,81 @@ def test_bench_runtime_part_measures_the_agent_and_exec_backends(tmp_path: Path)
             except OSError:
                 continue
             assert b"podgate" not in cmdline and b"bench.target" not in cmdline
+
+
+def test_bench_containerd_flood_check_bites() -> None:
+    """The exec flood's counter rejects output that is not "a\\n" repeated, wherever it starts."""
+    import asyncio
+
+    from bench.containerd import FloodSink
+    from bench.runtime import ForwardMeter
+
+    async def feed(*chunks: bytes) -> FloodSink:
+        sink = FloodSink(ForwardMeter([]))
+        for chunk in chunks:
+            await sink.send(chunk)
+        return sink
+
+    good = asyncio.run(feed(b"a\na", b"\na\n", b"a", b"\n"))
+    assert good.error is None and good.bytes == 8
+    bad = asyncio.run(feed(b"a\na", b"\nab\n"))
+    assert bad.error == "unexpected output at byte 5"
+
+
+def test_bench_containerd_part_measures_both_runtimes_live(tmp_path: Path) -> None:
+    """`--containerd` at 2 MiB: podgate runtime and a private containerd 1.6 each run the same
+    target; bulk port-forward both ways byte-checked, new connections, new sessions and an exec
+    flood measured on both, every figure with its podgate ÷ containerd ratio; nothing of either
+    pod is left running afterwards."""
+    import os
+
+    import pytest
+
+    sys.path.insert(0, str(REPO / "tests" / "e2e"))
+    import containerd_support
+
+    if os.geteuid() != 0:
+        pytest.skip("the containerd comparison needs root (pods of both runtimes)")
+    tools, why = containerd_support.missing_tools()
+    if tools is None:
+        pytest.skip(why)
+    results, report = run_bench(
+        tmp_path,
+        *("--size", "2M", "--runs", "1", "--paths", "direct", "--conns", "20"),
+        *("--sessions", "5", "--no-runtime", "--no-gateway", "--no-forward", "--no-authflood"),
+        *("--startup-runs", "0", "--containerd", "--flood-seconds", "1"),
+        timeout=240,
+    )
+    section = results["containerd"]
+    assert section["error"] is None and section["skipped"] == {}
+    assert "1.6" in section["meta"]["containerd"]
+    rows = {(r["figure"], r["runtime"]): r for r in section["rows"]}
+    figures = ["bulk download", "bulk upload", "conn", "session", "flood"]
+    assert list(rows) == [(f, rt) for rt in ("podgate", "containerd") for f in figures]
+    for (figure, runtime), row in rows.items():
+        assert row["error"] is None, row
+        if figure.startswith("bulk"):
+            assert row["verified"] is True and row["bytes"] == SIZE
+            rate = row["bytes"] / row["seconds"]
+            assert MIN_PLAUSIBLE_BYTES_PER_SECOND < rate < MAX_PLAUSIBLE_BYTES_PER_SECOND
+            expected = {"runtime"} if runtime == "podgate" else {"runtime", "shim"}
+            assert set(row["cpu"]) == expected
+        elif figure == "flood":
+            assert row["bytes"] > 0 and row["bytes"] % 2 == 0
+        else:
+            assert 0 < row["p50_ms"] <= row["p99_ms"]
+    summary = {(s["figure"], s["metric"]): s for s in section["summary"]}
+    for figure, metric in (("conn", "p50 µs"), ("session", "p50 µs"), ("flood", "MB/s")):
+        s = summary[(figure, metric)]
+        assert s["errors"] == []
+        expected = s["podgate"]["median"] / s["containerd"]["median"]
+        assert s["ratio"]["median"] == pytest.approx(expected)
+    assert "Against containerd, live" in report
+
+    for pids in section["meta"]["pods"].values():  # gone, or reused by something not ours
+        for pid in pids.values():
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            assert b"podgate" not in cmdline and b"containerd" not in cmdline

@@ -409,9 +409,12 @@ class Containerd:
         container: str = "main",
         annotations: dict[str, str] | None = None,
         stdin_once: bool = False,
+        mounts: list[pb.Mount] | None = None,
+        working_dir: str = "",
     ) -> RunningPod:
         """A host-network pod with one started container; with `stdin_once` the container has
-        a stdin that closes when the first attach ends (as `kubectl run -i` makes it)."""
+        a stdin that closes when the first attach ends (as `kubectl run -i` makes it);
+        `mounts` bind host paths into the container (the benchmark runs a host program)."""
         host_network = pb.NamespaceOption(network=pb.NODE, pid=pb.CONTAINER, ipc=pb.POD)
         logs = self.base / "logs" / name
         logs.mkdir(parents=True, exist_ok=True)
@@ -432,6 +435,8 @@ class Containerd:
             metadata=pb.ContainerMetadata(name=container, attempt=0),
             image=pb.ImageSpec(image=IMAGE_NAME),
             command=command,
+            working_dir=working_dir,
+            mounts=mounts or [],
             log_path=f"{container}.log",
             annotations=annotations or {},
             stdin=stdin_once,

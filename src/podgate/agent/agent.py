@@ -52,7 +52,7 @@ from podgate.agent.agent_pb2 import (
 )
 from podgate.aio.datagram import DatagramStream, connected_udp_socket
 from podgate.aio.errors import StreamError
-from podgate.aio.splice import splice
+from podgate.aio.ksplice import splice_sockets
 from podgate.aio.streams import ByteStream, SocketStream
 from podgate.aio.tasks import TaskSet
 from podgate.aio.ttrpc import RequestContext, TtrpcServer
@@ -235,7 +235,7 @@ class Agent:
         loop = asyncio.get_running_loop()
         error: BaseException | None = None
         try:
-            result = await splice(back, target)
+            result = await splice_sockets(back, target)  # in the kernel when it can
             record.to_target, record.to_host = result.a_to_b, result.b_to_a
             error = result.error
         except asyncio.CancelledError:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import os
 import socket
 import ssl
@@ -204,6 +205,7 @@ class SocketStream(ByteStream):
         self.transport: asyncio.Transport = protocol.transport
         self._eof_sent = False
         self._closed = False
+        self._handed_over = False  # to a kernel splice: a duplicate fd shares the socket
 
     # -- constructors
     @classmethod
@@ -285,13 +287,24 @@ class SocketStream(ByteStream):
         if self._closed:
             return
         self._closed = True
+        self._end_hand_over()
         self.transport.close()
         await asyncio.shield(self._protocol.closed)
 
     def abort(self) -> None:
         """Close at once, discarding unsent data (a reset for TCP peers)."""
         self._closed = True
+        self._end_hand_over()
         self.transport.abort()
+
+    def _end_hand_over(self) -> None:
+        # Closing our fd would leave the socket alive under the splice's duplicate: shut it
+        # down, so that a splice still running sees the end.
+        if self._handed_over:
+            sock = self.transport.get_extra_info("socket")
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
 
     # -- Wire
     def write(self, data: Buffer) -> None:
@@ -326,6 +339,37 @@ class SocketStream(ByteStream):
     @property
     def peername(self) -> object:
         return self.transport.get_extra_info("peername")
+
+    def can_hand_over(self) -> bool:
+        """Whether take_socket() would succeed: a plain open socket, nothing left unsent."""
+        t = self.transport
+        return not (
+            t.get_extra_info("socket") is None
+            or t.get_extra_info("sslcontext") is not None
+            or self._closed
+            or self._eof_sent
+            or t.is_closing()
+            or t.get_write_buffer_size()
+            or self._protocol._error is not None
+        )
+
+    def take_socket(self) -> tuple[socket.socket, bytes, bool]:
+        """Hand the connection over to a kernel splice (podgate.aio.ksplice): reading stops
+        for good; returns a duplicate of the socket, the bytes received and not yet read, and
+        whether EOF came already. Closing this stream still closes the connection."""
+        if not self.can_hand_over():
+            raise ClosedStreamError("the connection cannot be handed over")
+        protocol = self._protocol
+        self._handed_over = True
+        protocol._reading_paused = True  # read() must never resume the transport
+        self.transport.pause_reading()
+        pending = b"".join(protocol._chunks)
+        protocol._chunks.clear()
+        protocol._buffered = 0
+        fd = self.transport.get_extra_info("socket").fileno()
+        dup = socket.socket(fileno=os.dup(fd))
+        dup.setblocking(False)
+        return dup, pending, protocol._eof
 
     @property
     def at_eof(self) -> bool:

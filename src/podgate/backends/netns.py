@@ -1,5 +1,7 @@
 """Port-forward by dialing localhost inside the pod's network namespace (what containerd and
-CRI-O do for runc pods): a worker thread makes the socket in the netns, the loop connects.
+CRI-O do for runc pods): the loop connects a socket made in the netns ahead of time (a pool per
+pod, podgate.linux.netns_pool; a worker thread makes them in batches), so a new connection
+takes neither a thread hop nor a /proc access.
 
 UDP gets a datagram socket made the same way and connected to 127.0.0.1:port (a connect that
 only sets the peer, so there is nothing to refuse and no ::1 fallback to try)."""
@@ -12,6 +14,7 @@ from podgate.aio.datagram import DatagramStream
 from podgate.aio.errors import ConnectError
 from podgate.aio.streams import ByteStream, SocketStream
 from podgate.backends.base import BackendError
+from podgate.linux.netns_pool import NetnsPools
 from podgate.linux.ns import NamespaceError, NetnsWorker, connect_in_netns
 from podgate.model import PodRecord
 
@@ -21,6 +24,7 @@ class NetnsBackend:
 
     def __init__(self, worker: NetnsWorker | None = None) -> None:
         self.worker = worker or NetnsWorker()
+        self.pools = NetnsPools(self.worker)
 
     async def open(self, pod: PodRecord, port: int, protocol: str = "tcp") -> ByteStream:
         if pod.ns_process is None:
@@ -31,7 +35,8 @@ class NetnsBackend:
         if protocol != "tcp":
             raise BackendError(f"unsupported port-forward protocol {protocol!r}")
         try:
-            sock = await connect_in_netns(self.worker, path, port, label=pod.id)
+            maker = self.pools.for_process(pod.ns_process.pid, pod.ns_process.start_time)
+            sock = await connect_in_netns(maker, path, port, label=pod.id)
         except (ConnectError, OSError) as exc:
             raise BackendError(
                 f'failed to execute portforward in network namespace "{path}": {exc}'
@@ -56,3 +61,7 @@ class NetnsBackend:
                 f"failed to connect udp to localhost:{port} inside namespace {pod.id!r}: {exc}"
             ) from exc
         return DatagramStream(sock, label=f"udp {pod.id[:12]}:{port}")
+
+    def close(self) -> None:
+        """Drop every pod's pool of ready sockets."""
+        self.pools.close()

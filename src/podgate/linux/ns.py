@@ -16,12 +16,14 @@ import platform
 import socket
 import struct
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Final
+from typing import Any, Final, Protocol, TypeVar
 
 from podgate.aio.errors import ConnectError
+
+_T = TypeVar("_T")
 
 __all__ = [
     "CLONE_NEWIPC",
@@ -222,6 +224,15 @@ def socket_in_netns(path: str, family: int, type: int = socket.SOCK_STREAM) -> s
         return socket.socket(family, type)
 
 
+class SocketMaker(Protocol):
+    """Makes a socket of `family`/`type` in the netns at `path` (NetnsWorker, or a pod's pool
+    of sockets made ahead of time: podgate.linux.netns_pool)."""
+
+    async def socket(
+        self, path: str, family: int, type: int = socket.SOCK_STREAM
+    ) -> socket.socket: ...
+
+
 class NetnsWorker:
     """A small thread pool that creates sockets inside network namespaces, off the loop.
 
@@ -235,20 +246,25 @@ class NetnsWorker:
         self._executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="netns")
         self._lock = threading.Lock()
 
-    def _job(self, path: str, family: int, type_: int) -> socket.socket:
+    def _job(self, fn: Callable[..., _T], *args: Any) -> _T:
         current = ns_inode("/proc/thread-self/ns/net")
         if current != self._home:
             raise NamespaceRestoreError(
                 f"netns worker thread is stuck in netns inode {current}, not {self._home}"
             )
-        return socket_in_netns(path, family, type_)
+        return fn(*args)
 
     async def socket(self, path: str, family: int, type: int = socket.SOCK_STREAM) -> socket.socket:
+        return await self.call(socket_in_netns, path, family, type)
+
+    async def call(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """`fn(*args)` on a pool thread that is in the pool's own netns (fn enters another
+        with in_netns and must leave it)."""
         loop = asyncio.get_running_loop()
         with self._lock:
             executor = self._executor
         try:
-            return await loop.run_in_executor(executor, self._job, path, family, type)
+            return await loop.run_in_executor(executor, self._job, fn, *args)
         except NamespaceRestoreError:
             # Retire the pool that owns the stuck thread; later jobs get fresh threads.
             with self._lock:
@@ -271,7 +287,7 @@ def _go_strerror(err: int) -> str:
 
 
 async def connect_in_netns(
-    worker: NetnsWorker, path: str, port: int, *, label: str | None = None
+    worker: SocketMaker, path: str, port: int, *, label: str | None = None
 ) -> socket.socket:
     """Connect to localhost:`port` inside the netns at `path` as containerd does.
 

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from typing import Final
 
 from podgate.aio.errors import ConnectError, StreamError
-from podgate.aio.splice import splice
+from podgate.aio.ksplice import splice_sockets
 from podgate.aio.streams import SocketStream
 from podgate.linux.proc import (
     SpawnError,
@@ -200,7 +200,7 @@ class Muxer:
             except StreamError as exc:
                 log.info("guest port %d: the host left before OK: %s", port, exc)
                 return
-            result = await splice(host, guest)
+            result = await splice_sockets(host, guest)  # in the kernel when it can
         finally:
             self.release_port(host_port)
             await guest.aclose()

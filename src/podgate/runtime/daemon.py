@@ -147,6 +147,7 @@ async def running_runtime(config: RuntimeConfig) -> AsyncIterator[RunningRuntime
             await adaptation.stop()
         await streaming.stop()
         await agent.aclose()
+        netns.close()
         netns.worker.close()
 
 

@@ -21,15 +21,11 @@ from collections.abc import Mapping, Sequence
 from podgate.aio.datagram import DatagramStream, connected_udp_socket
 from podgate.aio.errors import ConnectError, StreamError
 from podgate.aio.streams import ByteStream, SocketStream
+from podgate.streaming.pipeout import PipeOutput
 from podgate.streaming.target import ExecIO, PodRef, TargetError
 
 log = logging.getLogger(__name__)
 
-# Read size for a process's pipes and pty.
-PIPE_READ_BYTES = 64 * 1024
-# Output reads smaller than this wait up to OUTPUT_BATCH_SECONDS for more before going out.
-SMALL_OUTPUT_BYTES = 4096
-OUTPUT_BATCH_SECONDS = 0.002
 # How long a tty session waits for the client's first terminal size before starting.
 FIRST_RESIZE_WAIT_SECONDS = 1.0
 # How long output may keep flowing after the process exited (grandchildren holding the pipe).
@@ -126,8 +122,8 @@ async def _copy_in(src: ByteStream, dst: asyncio.StreamWriter) -> None:
             dst.close()
 
 
-async def _copy_out(src: asyncio.StreamReader, dst: ByteStream | None) -> None:
-    while chunk := await _read_batched(src):
+async def _copy_out(src: PipeOutput, dst: ByteStream | None) -> None:
+    while chunk := await src.read():
         if dst is not None:
             try:
                 await dst.send(chunk)
@@ -135,45 +131,33 @@ async def _copy_out(src: asyncio.StreamReader, dst: ByteStream | None) -> None:
                 dst = None  # the client went away; keep draining so the process never blocks
 
 
-async def _read_batched(src: asyncio.StreamReader) -> bytes:
-    """A read, topped up for a moment when it was small: a process printing line by line
-    would otherwise cost one frame and one write per line all the way to the client."""
-    chunk = await src.read(PIPE_READ_BYTES)
-    if not chunk or len(chunk) >= SMALL_OUTPUT_BYTES:
-        return chunk
-    parts = [chunk]
-    size = len(chunk)
-    deadline = asyncio.get_running_loop().time() + OUTPUT_BATCH_SECONDS
-    while size < PIPE_READ_BYTES:
-        remaining = deadline - asyncio.get_running_loop().time()
-        if remaining <= 0:
-            break
-        try:
-            more = await asyncio.wait_for(src.read(PIPE_READ_BYTES - size), remaining)
-        except TimeoutError:
-            break
-        if not more:
-            break
-        parts.append(more)
-        size += len(more)
-    return b"".join(parts)
-
-
 async def _run_pipes(command: Sequence[str], io: ExecIO, cwd: str | None) -> int:
-    proc = await asyncio.create_subprocess_exec(
-        *command,
-        stdin=asyncio.subprocess.PIPE if io.stdin else asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        cwd=cwd,
-        start_new_session=True,
-    )
-    assert proc.stdout is not None and proc.stderr is not None
+    # Our own pipes rather than asyncio's: their output is read by PipeOutput (large reads in
+    # the loop's callback) instead of a StreamReader with a task per read.
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *command,
+            stdin=asyncio.subprocess.PIPE if io.stdin else asyncio.subprocess.DEVNULL,
+            stdout=out_w,
+            stderr=err_w,
+            cwd=cwd,
+            start_new_session=True,
+        )
+    except BaseException:
+        os.close(out_r)
+        os.close(err_r)
+        raise
+    finally:
+        os.close(out_w)
+        os.close(err_w)
+    stdout, stderr = PipeOutput(out_r), PipeOutput(err_r)
     feeder = None
     if io.stdin is not None:
         assert proc.stdin is not None
         feeder = asyncio.create_task(_copy_in(io.stdin, proc.stdin), name="exec stdin")
-    outputs = asyncio.gather(_copy_out(proc.stdout, io.stdout), _copy_out(proc.stderr, io.stderr))
+    outputs = asyncio.gather(_copy_out(stdout, io.stdout), _copy_out(stderr, io.stderr))
     try:
         returncode = await proc.wait()
         with contextlib.suppress(TimeoutError):
@@ -189,6 +173,9 @@ async def _run_pipes(command: Sequence[str], io: ExecIO, cwd: str | None) -> int
             feeder.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await feeder
+        for pipe, fd in ((stdout, out_r), (stderr, err_r)):
+            pipe.stop()
+            os.close(fd)
     return _exit_code(returncode)
 
 
@@ -202,7 +189,6 @@ def set_winsize(fd: int, width: int, height: int) -> None:
 
 
 async def _run_pty(command: Sequence[str], io: ExecIO, cwd: str | None) -> int:
-    loop = asyncio.get_running_loop()
     master, slave = pty.openpty()
     sized = asyncio.Event()
 
@@ -238,45 +224,7 @@ async def _run_pty(command: Sequence[str], io: ExecIO, cwd: str | None) -> int:
         raise
     finally:
         os.close(slave)
-    os.set_blocking(master, False)
-    output_done = loop.create_future()
-
-    def on_readable() -> None:
-        try:
-            data = os.read(master, PIPE_READ_BYTES)
-        except OSError:  # EIO once the last slave fd is closed
-            data = b""
-        if not data:
-            loop.remove_reader(master)
-            if not output_done.done():
-                output_done.set_result(None)
-            return
-        queue.put_nowait(data)
-
-    queue: asyncio.Queue[bytes] = asyncio.Queue()
-    loop.add_reader(master, on_readable)
-
-    async def forward_output() -> None:
-        out = io.stdout
-        while True:
-            getter = asyncio.ensure_future(queue.get())
-            done, _ = await asyncio.wait({getter, output_done}, return_when=asyncio.FIRST_COMPLETED)
-            if getter not in done:
-                getter.cancel()
-                while not queue.empty():
-                    chunk = queue.get_nowait()
-                    if out is not None:
-                        with contextlib.suppress(StreamError):
-                            await out.send(chunk)
-                return
-            chunk = getter.result()
-            while not queue.empty() and len(chunk) < PIPE_READ_BYTES:
-                chunk += queue.get_nowait()  # whatever else is already there goes along
-            if out is not None:
-                try:
-                    await out.send(chunk)
-                except StreamError:
-                    out = None
+    output_reader = PipeOutput(master)
 
     async def forward_input() -> None:
         assert io.stdin is not None
@@ -291,7 +239,7 @@ async def _run_pty(command: Sequence[str], io: ExecIO, cwd: str | None) -> int:
 
     if io.stdin is not None:
         helpers.append(asyncio.create_task(forward_input(), name="pty stdin"))
-    output = asyncio.create_task(forward_output(), name="pty output")
+    output = asyncio.create_task(_copy_out(output_reader, io.stdout), name="pty output")
     try:
         returncode = await proc.wait()
         with contextlib.suppress(TimeoutError):
@@ -300,7 +248,7 @@ async def _run_pty(command: Sequence[str], io: ExecIO, cwd: str | None) -> int:
         if proc.returncode is None:
             _kill_group(proc.pid)
             await proc.wait()
-        loop.remove_reader(master)
+        output_reader.stop()
         for task in [*helpers, output]:
             task.cancel()
         for task in [*helpers, output]:

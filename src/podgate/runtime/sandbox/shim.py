@@ -47,6 +47,7 @@ from google.protobuf.message import DecodeError
 
 from podgate.agent import agent_pb2
 from podgate.aio.errors import ConnectError, StreamError
+from podgate.aio.ksplice import splice_sockets
 from podgate.aio.splice import splice
 from podgate.aio.streams import DEFAULT_RECEIVE_BYTES, Buffer, ByteStream, SocketStream
 from podgate.aio.tasks import TaskSet
@@ -145,7 +146,13 @@ class _Relay:
         self._runtime = _Tracked(runtime_side, self)
 
     async def run(self) -> None:
-        result = await splice(self._runtime, self._agent)
+        agent, runtime = self._sockets
+        if agent.can_hand_over() and runtime.can_hand_over():
+            # Both plain sockets: in the kernel (os.splice), aborting both on an error.
+            result = await splice_sockets(runtime, agent, abort_on_error=True)
+            self.failed = self.failed or result.error is not None
+        else:
+            result = await splice(self._runtime, self._agent)
         log.debug(
             "relay ended: %d in, %d out, error %s", result.a_to_b, result.b_to_a, result.error
         )

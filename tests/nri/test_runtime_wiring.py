@@ -95,7 +95,7 @@ async def test_unsolicited_updates_reach_the_runtime_seam(wired: Any) -> None:
         await peer.update_containers(api.UpdateContainersRequest(update=[update]))
     assert info.value.code == Code.UNIMPLEMENTED
     assert info.value.message == (
-        "updating container resources (ctr1) is not supported by this runtime yet"
+        "updating container resources (ctr1) is not supported by this runtime"
     )
 
 
@@ -116,9 +116,9 @@ async def test_container_update_events_in_upstream_order(wired: Any) -> None:
     journal.clear()
     container = make_container()
     container.state = ContainerState.RUNNING
-    # The runtime cannot change resources yet: UpdateContainer goes out, the update is refused
+    # Without a runtime to apply updates: UpdateContainer goes out, the update is refused
     # with the reason, and PostUpdateContainer (which reports an applied update) does not.
-    with pytest.raises(UpdatesNotSupportedError, match="not supported by this runtime yet"):
+    with pytest.raises(UpdatesNotSupportedError, match="not supported by this runtime"):
         await runtime_nri.container_updating(make_pod(), container, resources)
     assert [method for _, method in journal] == ["UpdateContainer"]
 

@@ -5,14 +5,16 @@ in the container's cgroup files on the host, or on the host's filesystem for a h
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from runtime_e2e_support import rpc_error
+from runtime_e2e_support import POLL_SECONDS, rpc_error
 from test_runtime_nri import exec_in, external_plugin, nri_runtime
 from test_runtime_runc import container, run_pod
 
@@ -28,6 +30,8 @@ pytestmark = [
 ]
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+# How long a plugin may take to send its update once the container has started, seconds.
+UPDATE_WAIT_SECONDS = 30.0
 # A plugin on the SDK: argv[1] says what it adjusts, argv[2] the value.
 ADJUST_PLUGIN = r"""
 import sys
@@ -51,6 +55,33 @@ class Adjuster(Plugin):
             return [Update(container.id).set_cpu_quota(int(value))]
         return []
 sys.exit(run_plugin(Adjuster(), sys.argv[3:]))
+"""
+# A plugin on the SDK that, once a container has started, asks on its own (UpdateContainers)
+# for that container's CPU quota to become argv[1], and prints what the runtime failed.
+UNSOLICITED_PLUGIN = r"""
+import argparse, asyncio, sys
+from podgate.nri.adjust import Update
+from podgate.nri.plugin import Plugin, Stub
+parser = argparse.ArgumentParser()
+parser.add_argument("quota", type=int)
+parser.add_argument("--socket")
+parser.add_argument("--name")
+parser.add_argument("--idx")
+args = parser.parse_args()
+class Started(Plugin):
+    def __init__(self):
+        self.started = asyncio.Queue()
+    async def post_start_container(self, pod, container):
+        self.started.put_nowait(container.id)
+async def main():
+    plugin = Started()
+    stub = Stub(plugin, socket_path=args.socket, name=args.name, index=args.idx)
+    async with asyncio.TaskGroup() as group:
+        group.create_task(stub.run())
+        container_id = await plugin.started.get()
+        failed = await stub.update_containers([Update(container_id).set_cpu_quota(args.quota)])
+        print("updated", container_id, "failed", len(failed), flush=True)
+asyncio.run(main())
 """
 ULIMITS_PLUGIN = (
     "import runpy; runpy.run_module('podgate.nri.plugins.ulimits', run_name='__main__')"
@@ -198,3 +229,28 @@ async def test_a_plugin_update_changes_the_cpu_quota(rootfs: str) -> None:
             )
             assert quota() == 20000
             assert await exec_in(rt, ctr, ["echo", "still running"]) == "still running"
+
+
+async def test_an_unsolicited_plugin_update_changes_the_cpu_quota(rootfs: str) -> None:
+    with (
+        nri_runtime([], extra=["--network", "none"]) as run,
+        external_plugin(run, UNSOLICITED_PLUGIN, "later", "20", "30000"),
+    ):
+        async with run.pods() as (pods, rt):
+            pod = await run_pod(rt, pods, "unsolicited")
+            resources = pb.LinuxContainerResources(cpu_period=100000, cpu_quota=90000)
+            ctr = await container(rt, pod, rootfs, "c", ["sleep", "600"], resources=resources)
+            v2 = (CGROUP_ROOT / "cgroup.controllers").exists()
+            directory = await cgroup_dir(rt, ctr, "" if v2 else "cpu")
+            output = run.state / "plugin-20-later.log"
+            deadline = time.monotonic() + UPDATE_WAIT_SECONDS
+            while "updated" not in output.read_text():
+                assert time.monotonic() < deadline, output.read_text()
+                await asyncio.sleep(POLL_SECONDS)
+            assert f"updated {ctr} failed 0" in output.read_text()
+            if v2:
+                assert (directory / "cpu.max").read_text().split()[0] == "30000"
+            else:
+                assert int((directory / "cpu.cfs_quota_us").read_text()) == 30000
+            config = bundle_config(run.daemon.state_dir, ctr)
+            assert config["linux"]["resources"]["cpu"]["quota"] == 30000  # type: ignore[index]

@@ -104,8 +104,32 @@ async def test_a_container_without_a_root_takes_only_spec_fields(wired: Any) -> 
     await plugin(wired, "limits", "20", Adjustment().add_rlimit("RLIMIT_NPROC", hard=9, soft=9))
     container = make_container()
     container.state = ContainerState.CREATED
-    with pytest.raises(UnappliedAdjustmentError, match='plugin "20-limits" set Rlimits'):
+    with pytest.raises(UnappliedAdjustmentError) as info:
         await supported(wired[1]).container_creating(make_pod(), container)
+    assert str(info.value) == (
+        'plugin "20-limits" set Rlimits RLIMIT_NPROC, which a container without a root of its '
+        "own cannot take (it has no OCI spec)"
+    )
+
+
+async def test_non_bind_mounts_go_to_the_oci_spec_only(wired: Any) -> None:
+    adjust = Adjustment().add_mount("/scratch", "tmpfs", "tmpfs", ["nosuid", "size=1m"])
+    await plugin(wired, "tmpfs", "20", adjust)
+    container = rooted()
+    oci = await supported(wired[1]).container_creating(make_pod(), container)
+    assert oci["mounts"] == [
+        {
+            "destination": "/scratch",
+            "type": "tmpfs",
+            "source": "tmpfs",
+            "options": ["nosuid", "size=1m"],
+        }
+    ]
+    assert "/scratch" not in [m["container_path"] for m in container.spec.mounts]
+    rootless = make_container()
+    rootless.state = ContainerState.CREATED
+    with pytest.raises(UnsupportedAdjustmentError, match="takes bind mounts only, not tmpfs"):
+        await wired[1].container_creating(make_pod(), rootless)
 
 
 async def test_cdi_devices_come_from_the_spec_directory(wired: Any, tmp_path: Path) -> None:

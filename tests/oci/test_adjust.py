@@ -137,6 +137,15 @@ CASES: list[tuple[str, api.ContainerAdjustment, str, Any]] = [
         "linux.resources.pids",
         {"limit": 64},
     ),
+    (
+        "a non-bind mount, sorted by depth",
+        Adjustment()
+        .add_mount("/a/b", "tmpfs", "tmpfs", ["nosuid"])
+        .add_mount("/c", "", "bind")
+        .message,
+        "mounts",
+        [{"destination": "/a/b", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid"]}],
+    ),
     ("oom score adj", linux(oom_score_adj=api.OptionalInt(value=500)), "process.oomScoreAdj", 500),
     ("cgroups path", linux(cgroups_path="/elsewhere/c"), "linux.cgroupsPath", "/elsewhere/c"),
     (

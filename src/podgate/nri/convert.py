@@ -30,6 +30,7 @@ __all__ = [
     "NAMESPACE_CONTAINER_FIELDS",
     "apply_adjustment",
     "container",
+    "is_bind",
     "mount_from_nri",
     "mount_to_nri",
     "nri_resources",
@@ -59,6 +60,14 @@ _PROPAGATION_FROM_OPTION = {
     "rshared": "PROPAGATION_BIDIRECTIONAL",
 }
 _BIND = "bind"
+# NRI mount types that are bind mounts (a CRI mount can hold them); others (tmpfs, proc, …)
+# go to the OCI spec as they are.
+_BIND_TYPES = frozenset({"", "bind", "rbind"})
+
+
+def is_bind(mount: api.Mount) -> bool:
+    return mount.type in _BIND_TYPES
+
 
 # The adjustment fields that reach a container with a root of its own: env, args, mounts and
 # annotations through its ContainerSpec, the rest through `oci_adjustment` applied to its OCI
@@ -188,6 +197,7 @@ def apply_adjustment(
     }
     added = [m for m in adjust.mounts if not m.destination.startswith(REMOVAL_PREFIX)]
     replaced = removed | {m.destination for m in added}
+    added = [m for m in added if is_bind(m)]  # the others reach the OCI spec only
     spec.mounts = [m for m in spec.mounts if m.get("container_path") not in replaced]
     spec.mounts.extend(mount_from_nri(m) for m in added)
 
@@ -350,6 +360,17 @@ def oci_adjustment(adjust: api.ContainerAdjustment) -> dict[str, Any]:
             hooks.setdefault(kind, []).append(entry)
     if hooks:
         out["hooks"] = hooks
+    other = [m for m in adjust.mounts if not is_bind(m)]
+    if other:
+        out["mounts"] = [
+            {
+                "destination": m.destination,
+                "type": m.type,
+                "source": m.source,
+                "options": list(m.options),
+            }
+            for m in other
+        ]
     if adjust.rlimits:
         out["rlimits"] = [{"type": r.type, "hard": r.hard, "soft": r.soft} for r in adjust.rlimits]
     if adjust.CDI_devices:

@@ -13,7 +13,8 @@ The adjustment's keys (all optional): `env` [[name, value | None]], `args` [str]
 {OCI hook kind: [hook]}, `devices` [OCI device], `removedDevices` [path], `deviceRules`
 [cgroup rule], `resources` (partial OCI `linux.resources`: cpu, memory, pids, hugepageLimits,
 unified), `blockioClass`, `rdtClass`, `rdt`, `cgroupsPath`, `oomScoreAdj`, `ioPriority`,
-`seccomp`, `namespaces` [{type, path}] (`-type` removes), `sysctl` {key: value | None},
+`seccomp`, `mounts` [OCI mount: the non-bind ones; bind mounts reach the spec through the
+CRI mounts], `namespaces` [{type, path}] (`-type` removes), `sysctl` {key: value | None},
 `netDevices`, `scheduler`, `memoryPolicy`, `rlimits`, `cdiDevices` [name] and `cdiEdits`
 [CDI containerEdits, in order].
 """
@@ -252,7 +253,20 @@ def apply(config: dict[str, Any], adjust: Mapping[str, Any], *, swap: bool = Tru
         resources.pop("blockIO", None)
     if adjust.get("rdtClass") is not None or adjust.get("rdt"):
         linux.pop("intelRdt", None)
+    _apply_mounts(config, adjust.get("mounts") or ())
     _apply_rlimits(process, adjust.get("rlimits") or ())
+
+
+def _apply_mounts(config: dict[str, Any], mounts: Any) -> None:
+    """Each mount replaces one at its destination; then sorted by depth (stable), so a mount
+    never lands under one made after it, as upstream sorts."""
+    if not mounts:
+        return
+    destinations = {m["destination"] for m in mounts}
+    kept = [m for m in config.get("mounts", []) if m["destination"] not in destinations]
+    merged = [*kept, *(dict(m) for m in mounts)]
+    merged.sort(key=lambda m: len([p for p in m["destination"].split("/") if p]))
+    config["mounts"] = merged
 
 
 def merge_resources(

@@ -217,7 +217,23 @@ class RuntimeNri:
         fields = convert.APPLIED_FIELDS if rooted else convert.NAMESPACE_CONTAINER_FIELDS
         refused = unapplied(result.claims, fields)
         if refused:
-            raise UnappliedAdjustmentError(refused)
+            error = UnappliedAdjustmentError(refused)
+            if not rooted:
+                first = refused[0]
+                what = f"{first.field.upstream_name} {first.key}".rstrip()
+                error.args = (
+                    f'plugin "{first.plugin}" set {what}, which a container without a root of '
+                    "its own cannot take (it has no OCI spec)",
+                )
+            raise error
+        for mount in result.adjust.mounts:
+            if not rooted and not convert.is_bind(mount):
+                refusal = oci_adjust.Refusal(
+                    "Mounts",
+                    mount.destination,
+                    f"a container without a root takes bind mounts only, not {mount.type}",
+                )
+                raise UnsupportedAdjustmentError(_owner(result.claims, refusal), refusal)
         adjustment = convert.oci_adjustment(result.adjust) if rooted else {}
         if adjustment.get("cdiDevices"):
             try:

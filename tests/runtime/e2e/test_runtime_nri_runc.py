@@ -47,6 +47,8 @@ class Adjuster(Plugin):
             adjust.add_hook("prestart", "/bin/sh", ["sh", "-c", "cat > " + value])
         elif mode == "memory":
             adjust.set_memory_limit(int(value))
+        elif mode == "tmpfs":
+            adjust.add_mount(value, "tmpfs", "tmpfs", ["nosuid", "nodev", "size=1m"])
         elif mode == "hugepages":
             adjust.message.linux.resources.hugepage_limits.add(page_size="2MB", limit=int(value))
         return adjust
@@ -168,6 +170,23 @@ async def test_a_plugin_hook_runs(rootfs: str, tmp_path: Path) -> None:
             assert state["id"] == ctr
             assert state["status"] == "creating"  # what runc 1.1 reports to prestart hooks
             assert state["pid"] > 0
+
+
+async def test_a_plugin_tmpfs_mount_is_mounted(rootfs: str) -> None:
+    with (
+        nri_runtime([], extra=["--network", "none"]) as run,
+        external_plugin(run, ADJUST_PLUGIN, "tmpfs", "20", "tmpfs", "/scratch"),
+    ):
+        async with run.pods() as (pods, rt):
+            pod = await run_pod(rt, pods, "tmpfs")
+            ctr = await container(rt, pod, rootfs, "c", ["sleep", "600"])
+            mounts = await exec_in(rt, ctr, ["cat", "/proc/self/mounts"])
+            [line] = [m for m in mounts.splitlines() if m.split()[1] == "/scratch"]
+            assert line.split()[2] == "tmpfs"
+            assert "size=1024k" in line and "nosuid" in line, line
+            assert (
+                await exec_in(rt, ctr, ["sh", "-c", "echo x > /scratch/f && cat /scratch/f"]) == "x"
+            )
 
 
 async def test_a_plugin_memory_limit_reaches_the_cgroup(rootfs: str) -> None:

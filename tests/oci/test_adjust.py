@@ -17,6 +17,8 @@ V1 = HostSupport(
     controllers=frozenset({"cpu", "cpuset", "memory", "pids", "devices"}),
     cgroup_files=frozenset({"memory/memory.memsw.limit_in_bytes", "memory/memory.swappiness"}),
     runtime="runc 1.1.5",
+    namespaces=frozenset({"cgroup", "ipc", "mount", "network", "pid", "user", "uts"}),
+    seccomp_actions=frozenset({"SCMP_ACT_ALLOW", "SCMP_ACT_ERRNO"}),
 )
 
 
@@ -283,6 +285,21 @@ REFUSED: list[tuple[str, api.ContainerAdjustment, Refusal]] = [
             )
         ),
         Refusal("CPURealtimeRuntime", "", "the kernel has no real-time group scheduling"),
+    ),
+    (
+        "a time namespace on runc 1.1",
+        linux(namespaces=[api.LinuxNamespace(type="time")]),
+        Refusal("Namespace", "time", "runc 1.1.5 does not support it"),
+    ),
+    (
+        "a sysctl outside the container's namespaces",
+        linux(sysctl={"vm.swappiness": "1"}),
+        Refusal("Sysctl", "vm.swappiness", "not in a separate kernel namespace"),
+    ),
+    (
+        "a seccomp action runc does not know",
+        linux(seccomp_policy=api.LinuxSeccomp(default_action="SCMP_ACT_KILL_EVERYTHING")),
+        Refusal("SeccompPolicy", "SCMP_ACT_KILL_EVERYTHING", "runc 1.1.5 does not know it"),
     ),
     (
         "network devices on runc 1.1",

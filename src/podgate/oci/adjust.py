@@ -28,6 +28,7 @@ from typing import Any, Final
 
 __all__ = [
     "HOOK_KINDS",
+    "NAMESPACE_TYPES",
     "AdjustError",
     "HostSupport",
     "Refusal",
@@ -78,10 +79,30 @@ _CPU_FIELDS: Final = {
     "cpus": "CPUSetCPUs",
     "mems": "CPUSetMems",
 }
-# Namespaces runc can create or join (OCI names).
-_NAMESPACE_TYPES: Final = frozenset(
+# Namespaces the OCI spec names (a runtime's `features` may list fewer).
+NAMESPACE_TYPES: Final = frozenset(
     {"pid", "network", "mount", "ipc", "uts", "user", "cgroup", "time"}
 )
+# Sysctls a container's own namespaces hold (runc's rules): IPC ones, fs.mqueue.*, net.*, and
+# the UTS names; any other key would change the node.
+_IPC_SYSCTLS: Final = frozenset(
+    {
+        "kernel.msgmax",
+        "kernel.msgmnb",
+        "kernel.msgmni",
+        "kernel.sem",
+        "kernel.shmall",
+        "kernel.shmmax",
+        "kernel.shmmni",
+        "kernel.shm_rmid_forced",
+    }
+)
+_UTS_SYSCTLS: Final = frozenset({"kernel.domainname", "kernel.hostname"})
+
+
+def _namespaced_sysctl(key: str) -> bool:
+    name = key.replace("/", ".")
+    return name in _IPC_SYSCTLS or name in _UTS_SYSCTLS or name.startswith(("fs.mqueue.", "net."))
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +136,8 @@ class HostSupport:
     scheduler: bool = False  # process.scheduler
     memory_policy: bool = False  # linux.memoryPolicy
     net_devices: bool = False  # linux.netDevices
+    namespaces: frozenset[str] = NAMESPACE_TYPES  # what the runtime can create or join
+    seccomp_actions: frozenset[str] | None = None  # None: not known (not checked)
     runtime: str = "runc"  # named in refusals
     blockio_classes: Mapping[str, Any] = field(default_factory=dict)
     rdt_classes: Mapping[str, Any] = field(default_factory=dict)
@@ -201,11 +224,24 @@ def check(adjust: Mapping[str, Any], host: HostSupport) -> list[Refusal]:
             )
     for namespace in adjust.get("namespaces") or ():
         kind = str(namespace["type"]).removeprefix(REMOVAL_PREFIX)
-        if kind not in _NAMESPACE_TYPES:
+        if kind not in NAMESPACE_TYPES:
             out.append(Refusal("Namespace", kind, "not a Linux namespace type"))
+        elif kind not in host.namespaces:
+            out.append(Refusal("Namespace", kind, f"{runtime} does not support it"))
     for key, value in (adjust.get("sysctl") or {}).items():
-        if value is not None and ("\n" in value or ".." in key.replace("/", ".").split(".")):
+        if value is None:
+            continue
+        if "\n" in value or ".." in key.replace("/", ".").split("."):
             out.append(Refusal("Sysctl", key, "invalid sysctl"))
+        elif not _namespaced_sysctl(key):
+            out.append(Refusal("Sysctl", key, "not in a separate kernel namespace"))
+    seccomp = adjust.get("seccomp")
+    if seccomp is not None and host.seccomp_actions is not None:
+        actions = [seccomp.get("defaultAction", "")]
+        actions += [s.get("action", "") for s in seccomp.get("syscalls") or ()]
+        for action in actions:
+            if action not in host.seccomp_actions:
+                out.append(Refusal("SeccompPolicy", action, f"{runtime} does not know it"))
     return out
 
 

@@ -5,15 +5,16 @@ before a given release ignores without a word (its JSON decoder drops unknown fi
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
-from typing import Final
+from typing import Any, Final
 
 from podgate.oci import cgroups
-from podgate.oci.adjust import HostSupport
+from podgate.oci.adjust import NAMESPACE_TYPES, HostSupport
 
-__all__ = ["probe", "runc_version"]
+__all__ = ["probe", "runc_features", "runc_version"]
 
 # runc releases that first honour these spec fields (runc's CHANGELOG).
 IO_PRIORITY_SINCE: Final = (1, 2, 0)  # process.ioPriority
@@ -52,6 +53,22 @@ def runc_version(binary: str) -> tuple[int, int, int]:
     return (int(match[1]), int(match[2]), int(match[3]))
 
 
+def runc_features(binary: str) -> dict[str, Any]:
+    """`runc features` (runc ≥ 1.1.0): namespaces and seccomp actions it knows; {} if none."""
+    try:
+        out = subprocess.run(
+            [binary, "features"],
+            capture_output=True,
+            text=True,
+            timeout=VERSION_TIMEOUT_SECONDS,
+            check=False,
+        ).stdout
+        data = json.loads(out)
+    except (OSError, subprocess.TimeoutExpired, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def _controllers(root: str) -> frozenset[str]:
     if cgroups.is_v2(root):
         with open(os.path.join(root, "cgroup.controllers"), encoding="ascii") as f:
@@ -63,6 +80,9 @@ def _controllers(root: str) -> frozenset[str]:
 
 def probe(binary: str, root: str = cgroups.CGROUP_ROOT) -> HostSupport:
     version = runc_version(binary)
+    linux = runc_features(binary).get("linux") or {}
+    namespaces = frozenset(linux.get("namespaces") or NAMESPACE_TYPES)
+    actions = (linux.get("seccomp") or {}).get("actions")
     files = frozenset(f for f in _V1_FILES if os.path.exists(os.path.join(root, f)))
     return HostSupport(
         cgroup_v2=cgroups.is_v2(root),
@@ -73,5 +93,7 @@ def probe(binary: str, root: str = cgroups.CGROUP_ROOT) -> HostSupport:
         scheduler=version >= SCHEDULER_SINCE,
         memory_policy=version >= MEMORY_POLICY_SINCE,
         net_devices=version >= NET_DEVICES_SINCE,
+        namespaces=namespaces,
+        seccomp_actions=frozenset(actions) if actions else None,
         runtime=f"runc {'.'.join(map(str, version))}",
     )

@@ -22,7 +22,9 @@ def runc() -> str:
 
 def test_the_probe_reads_runc_and_the_cgroups(runc: str) -> None:
     support = features.probe(runc)
-    first_line = subprocess.run([runc, "--version"], capture_output=True, text=True).stdout
+    first_line = subprocess.run(
+        [runc, "--version"], check=True, capture_output=True, text=True
+    ).stdout
     release = first_line.split()[2].split("+")[0]  # "runc version 1.1.5+ds1"
     assert support.runtime == f"runc {release}"
     version = tuple(int(p) for p in release.split("."))

@@ -168,6 +168,22 @@ async def test_an_unknown_cdi_device_is_refused_by_plugin(wired: Any, tmp_path: 
     )
 
 
+async def test_a_cdi_hook_of_unknown_kind_is_refused_by_plugin(wired: Any, tmp_path: Path) -> None:
+    spec = {
+        "kind": "example.com/hooked",
+        "devices": [
+            {"name": "h", "containerEdits": {"hooks": [{"hookName": "later", "path": "/x"}]}}
+        ],
+    }
+    (tmp_path / "hooked.json").write_text(json.dumps(spec))
+    await plugin(wired, "cdi", "20", Adjustment().add_cdi_device("example.com/hooked=h"))
+    runtime_nri = supported(wired[1])
+    runtime_nri.cdi_spec_dirs = (str(tmp_path),)
+    with pytest.raises(UnsupportedAdjustmentError, match="unknown hook name 'later'") as info:
+        await runtime_nri.container_creating(make_pod(), rooted())
+    assert str(info.value).startswith('plugin "20-cdi" set CdiDevices')
+
+
 async def test_updates_reach_the_runtime_and_failures_are_reported(wired: Any) -> None:
     adaptation, runtime_nri, peers = wired
     supported(runtime_nri)

@@ -18,6 +18,8 @@ from typing import Any, Final
 
 import yaml
 
+from podgate.oci.adjust import HOOK_KINDS
+
 __all__ = ["DEFAULT_SPEC_DIRS", "CdiError", "resolve"]
 
 DEFAULT_SPEC_DIRS: Final = ("/etc/cdi", "/var/run/cdi")
@@ -96,5 +98,8 @@ def resolve(names: Sequence[str], spec_dirs: Sequence[str]) -> list[dict[str, An
         for part in known[name]:
             part = dict(part)
             part["deviceNodes"] = [_complete_node(n) for n in part.get("deviceNodes") or ()]
+            for hook in part.get("hooks") or ():
+                if hook.get("hookName") not in HOOK_KINDS:
+                    raise CdiError(f"CDI device {name}: unknown hook name {hook.get('hookName')!r}")
             edits.append(part)
     return edits

@@ -47,6 +47,8 @@ class Adjuster(Plugin):
             adjust.add_hook("prestart", "/bin/sh", ["sh", "-c", "cat > " + value])
         elif mode == "memory":
             adjust.set_memory_limit(int(value))
+        elif mode == "cdi":
+            adjust.add_cdi_device(value)
         elif mode == "tmpfs":
             adjust.add_mount(value, "tmpfs", "tmpfs", ["nosuid", "nodev", "size=1m"])
         elif mode == "hugepages":
@@ -137,6 +139,39 @@ async def test_a_plugin_device_is_usable_inside_the_container(rootfs: str) -> No
             if not (CGROUP_ROOT / "cgroup.controllers").exists():
                 allowed = (await cgroup_dir(rt, ctr, "devices") / "devices.list").read_text()
                 assert "c 1:3 rw" in allowed, allowed
+
+
+async def test_a_plugin_cdi_device_comes_from_the_spec_directory(
+    rootfs: str, tmp_path: Path
+) -> None:
+    specs = tmp_path / "cdi"
+    specs.mkdir()
+    (specs / "example.yaml").write_text(
+        "cdiVersion: 0.6.0\n"
+        "kind: example.com/null\n"
+        "containerEdits:\n"
+        "  env: [EXAMPLE_VENDOR=yes]\n"
+        "devices:\n"
+        "  - name: one\n"
+        "    containerEdits:\n"
+        "      deviceNodes:\n"
+        "        - path: /dev/cdi-null\n"
+        "          hostPath: /dev/null\n"
+    )
+    with (
+        nri_runtime([], extra=["--network", "none", "--cdi-spec-dir", str(specs)]) as run,
+        external_plugin(run, ADJUST_PLUGIN, "cdi", "20", "cdi", "example.com/null=one"),
+    ):
+        async with run.pods() as (pods, rt):
+            pod = await run_pod(rt, pods, "cdi")
+            ctr = await container(rt, pod, rootfs, "c", ["sleep", "600"])
+            script = "echo data > /dev/cdi-null && cat /dev/cdi-null && echo $EXAMPLE_VENDOR"
+            assert await exec_in(rt, ctr, ["sh", "-c", script]) == "yes"
+            listing = await exec_in(rt, ctr, ["ls", "-ln", "/dev/cdi-null"])
+            assert listing.startswith("c"), listing
+            config = bundle_config(run.daemon.state_dir, ctr)
+            rules = config["linux"]["resources"]["devices"]  # type: ignore[index]
+            assert {"allow": True, "type": "c", "major": 1, "minor": 3, "access": "rwm"} in rules
 
 
 async def test_the_ulimits_plugin_sets_the_process_rlimits(rootfs: str) -> None:

@@ -69,8 +69,8 @@ async def test_an_adjustment_the_runtime_cannot_apply_fails_create_by_name(wired
     with pytest.raises(UnappliedAdjustmentError) as info:
         await runtime_nri.container_creating(make_pod(), container)
     assert str(info.value) == (
-        'plugin "20-devices" set Devices /dev/nri-null, which this runtime cannot apply to '
-        "containers yet"
+        'plugin "20-devices" set Devices /dev/nri-null, which a container without a root of '
+        "its own cannot take (it has no OCI spec)"
     )
     assert container.spec.envs["FOO"] == "1"  # nothing half-applied
 
@@ -161,8 +161,8 @@ async def test_hooks_and_resources_are_merged_then_refused_by_name(wired: Any) -
     with pytest.raises(UnappliedAdjustmentError) as info:
         await runtime_nri.container_creating(make_pod(), created())
     assert str(info.value) == (
-        'plugin "10-hooker" set OciHooks, which this runtime cannot apply to containers yet '
-        "(and 2 more)"
+        'plugin "10-hooker" set OciHooks, which a container without a root of its own cannot '
+        "take (it has no OCI spec) (and 2 more)"
     )
     assert [(c.plugin, c.field.upstream_name) for c in info.value.claims] == [
         ("10-hooker", "OciHooks"),

@@ -221,9 +221,10 @@ class RuntimeNri:
             if not rooted:
                 first = refused[0]
                 what = f"{first.field.upstream_name} {first.key}".rstrip()
+                more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
                 error.args = (
                     f'plugin "{first.plugin}" set {what}, which a container without a root of '
-                    "its own cannot take (it has no OCI spec)",
+                    f"its own cannot take (it has no OCI spec){more}",
                 )
             raise error
         for mount in result.adjust.mounts:

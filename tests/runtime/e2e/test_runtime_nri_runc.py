@@ -21,6 +21,7 @@ from test_runtime_runc import container, run_pod
 from busybox_rootfs import make_rootfs
 from podgate.cri import api_pb2 as pb
 from podgate.cri import api_pb2_grpc as pb_grpc
+from podgate.oci import features
 from podgate.runtime.store import RUN_NAME_CHARS, run_root
 
 pytestmark = [
@@ -51,6 +52,8 @@ class Adjuster(Plugin):
             adjust.add_cdi_device(value)
         elif mode == "tmpfs":
             adjust.add_mount(value, "tmpfs", "tmpfs", ["nosuid", "nodev", "size=1m"])
+        elif mode == "kernel-memory":
+            adjust.set_memory_kernel(int(value))
         elif mode == "hugepages":
             adjust.message.linux.resources.hugepage_limits.add(page_size="2MB", limit=int(value))
         return adjust
@@ -241,17 +244,22 @@ async def test_a_plugin_memory_limit_reaches_the_cgroup(rootfs: str) -> None:
 
 
 async def test_an_adjustment_the_host_cannot_honour_fails_create(rootfs: str) -> None:
-    if (CGROUP_ROOT / "hugetlb").exists() or (CGROUP_ROOT / "cgroup.controllers").exists():
-        pytest.skip("this host has a hugetlb controller: hugepage limits are honoured here")
+    # Hugepage limits where the host has no hugetlb controller (as here); elsewhere the kernel
+    # memory limit, which no host honours any more.
+    if "hugetlb" in features.probe("runc").controllers:
+        mode, field = "kernel-memory", "MemKernelLimit"
+    else:
+        mode, field = "hugepages", "HugepageLimits 2MB"
     with (
         nri_runtime([], extra=["--network", "none"]) as run,
-        external_plugin(run, ADJUST_PLUGIN, "pages", "20", "hugepages", str(1 << 21)),
+        external_plugin(run, ADJUST_PLUGIN, "pages", "20", mode, str(1 << 21)),
     ):
         async with run.pods() as (pods, rt):
             pod = await run_pod(rt, pods, "pages")
             error = await rpc_error(container(rt, pod, rootfs, "c", ["sleep", "600"], start=False))
-            assert 'plugin "20-pages" set HugepageLimits 2MB' in error.details()
-            assert "no hugetlb cgroup controller" in error.details()
+            assert f'plugin "20-pages" set {field}, which this ' in error.details()
+            if mode == "hugepages":
+                assert "no hugetlb cgroup controller" in error.details()
             listed = await rt.ListContainers(pb.ListContainersRequest())
             assert [c for c in listed.containers if c.pod_sandbox_id == pod.id] == []
 

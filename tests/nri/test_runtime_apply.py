@@ -19,7 +19,7 @@ from test_runtime_wiring import wired
 from podgate.model import ContainerState
 from podgate.nri import api_pb2 as api
 from podgate.nri.adjust import Adjustment, Update
-from podgate.nri.merge import UnappliedAdjustmentError
+from podgate.nri.merge import NriError, UnappliedAdjustmentError
 from podgate.oci.adjust import HostSupport
 from podgate.runtime.nri import RuntimeNri, UnsupportedAdjustmentError
 
@@ -239,3 +239,20 @@ async def test_a_plugin_changes_the_requested_update(wired: Any) -> None:
     await runtime_nri.container_updating(make_pod(), container, requested)
     assert recorder.applied == [("ctr1", {"cpu": {"quota": 20000, "period": 100000}})]
     assert [method for _, method in journal] == ["UpdateContainer", "PostUpdateContainer"]
+
+
+async def test_a_failed_update_fails_the_cri_call_with_the_reason(wired: Any) -> None:
+    adaptation, runtime_nri, peers = wired
+    supported(runtime_nri)
+    runtime_nri.updater = Recorder()
+    events = bit(api.UPDATE_CONTAINER, api.POST_UPDATE_CONTAINER)
+    journal: list[tuple[str, str]] = []
+    await join(adaptation, peers, Peer("watch", "10", events=events, journal=journal))
+    journal.clear()
+    container = rooted()
+    container.id = "gone"
+    requested = api.LinuxResources(cpu=api.LinuxCPU(quota=api.OptionalInt64(value=5000)))
+    with pytest.raises(NriError) as info:
+        await runtime_nri.container_updating(make_pod(), container, requested)
+    assert str(info.value) == "failed to update containers (gone: container gone not found)"
+    assert [method for _, method in journal] == ["UpdateContainer"]  # no PostUpdateContainer

@@ -151,6 +151,7 @@ class RuntimeNri:
         self.runc = runc
         self.cdi_spec_dirs = tuple(cdi_spec_dirs)
         self.updater: ContainerUpdater | None = None
+        self._failures: dict[str, str] = {}  # container id -> why its last update failed
         self._support: oci_adjust.HostSupport | None = None
         self._status_cache: dict[str, tuple[float, str, list[str]]] = {}
 
@@ -259,8 +260,10 @@ class RuntimeNri:
         pod_message, message = self.pod_message(pod), convert.container(container)
         updates = await self.adaptation.update_container(pod_message, message, resources)
         failed = await self.update_containers(updates)
-        if any(not update.ignore_failure for update in failed):
-            raise NriError(f"failed to update container {container.id}")
+        fatal = [update.container_id for update in failed if not update.ignore_failure]
+        if fatal:
+            reasons = "; ".join(f"{i}: {self._failures.get(i, 'failed')}" for i in fatal)
+            raise NriError(f"failed to update containers ({reasons})")
         await self._quietly(
             "PostUpdateContainer", self.adaptation.post_update_container, pod_message, message
         )
@@ -308,7 +311,10 @@ class RuntimeNri:
                     await self.updater.apply_resources(update.container_id, resources)
             except Exception as exc:
                 log.warning("nri: update of container %s failed: %s", update.container_id, exc)
+                self._failures[update.container_id] = str(exc)
                 failed.append(update)
+            else:
+                self._failures.pop(update.container_id, None)
         return failed
 
     async def evict_containers(self, evictions: Sequence[api.ContainerEviction]) -> None:

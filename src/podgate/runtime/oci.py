@@ -283,14 +283,22 @@ class OciContainers:
                 raise OciError(f"failed to update resources: {exc}") from exc
 
     async def update_resources(
-        self, container: ContainerRecord, run: Path, resources: dict[str, Any], running: bool
+        self,
+        container: ContainerRecord,
+        run: Path,
+        resources: dict[str, Any],
+        running: bool,
+        oom_score_adj: int | None = None,
     ) -> None:
         """A partial OCI `linux.resources` (an NRI update) merged into config.json, and the
-        result into the live cgroup (`runc update`) if running."""
+        result into the live cgroup (`runc update`) if running. `oom_score_adj` (the CRI's)
+        goes to config.json only, as in `update`."""
         bundle = self.bundle_dir(run)
         config = _read_config(bundle)
         current = config["linux"].setdefault("resources", {})
         adjust_mod.merge_resources(current, resources, swap=self.host.swap_controller)
+        if oom_score_adj is not None:
+            config["process"]["oomScoreAdj"] = oom_score_adj
         bundle_mod.write_json(str(bundle / "config.json"), config)
         if running:
             path = run / "resources.json"

@@ -658,6 +658,14 @@ class Runtime:
             except Exception as exc:
                 raise FailedPreconditionError(f"NRI UpdateContainer failed: {exc}") from exc
             async with self._lock(container.id):
+                if "oom_score_adj" in resources:  # not NRI's: config.json only, as without NRI
+                    await self.oci.update_resources(
+                        container,
+                        self.store.run_path(container.id),
+                        {},
+                        running=False,
+                        oom_score_adj=int(merged.get("oom_score_adj") or 0),
+                    )
                 container.spec.resources = merged
                 self.store.save_container(container)
             return

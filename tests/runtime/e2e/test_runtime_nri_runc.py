@@ -286,10 +286,15 @@ async def test_a_plugin_update_changes_the_cpu_quota(rootfs: str) -> None:
             await rt.UpdateContainerResources(
                 pb.UpdateContainerResourcesRequest(
                     container_id=ctr,
-                    linux=pb.LinuxContainerResources(cpu_period=100000, cpu_quota=50000),
+                    linux=pb.LinuxContainerResources(
+                        cpu_period=100000, cpu_quota=50000, oom_score_adj=300
+                    ),
                 )
             )
             assert quota() == 20000
+            config = bundle_config(run.daemon.state_dir, ctr)
+            assert config["process"]["oomScoreAdj"] == 300  # type: ignore[index]
+            assert config["linux"]["resources"]["cpu"]["quota"] == 20000  # type: ignore[index]
             assert await exec_in(rt, ctr, ["echo", "still running"]) == "still running"
 
 

@@ -18,8 +18,9 @@ from replay_support import Replay, replay, synchronized
 
 from podgate.nri import api_pb2 as api
 from podgate.nri.adaptation import Adaptation, NriConfig
-from podgate.nri.convert import APPLIED_FIELDS
-from podgate.nri.merge import Field, MergeResult, UnappliedAdjustmentError, unapplied
+from podgate.nri.convert import APPLIED_FIELDS, oci_adjustment
+from podgate.nri.merge import MergeResult, unapplied
+from podgate.oci.adjust import apply
 from podgate.proto.ttrpc import envelope_pb2
 
 # What podgate was when the captures were made: its Configure carries these (README).
@@ -173,15 +174,24 @@ async def test_device_injector_device_and_mount_reach_the_merge(run_replay: Any)
     owners = merged.owners.owners[reply_container_id(result)]
     assert dict(owners.compound[api.Devices].owners) == {"/dev/nri-null": "20-device-injector"}
     assert dict(owners.compound[api.Mounts].owners) == {"/mnt": "20-device-injector"}
-    # The device is not applied to containers yet: refused by name, not dropped.
-    refused = unapplied(merged.claims, APPLIED_FIELDS)
-    assert [(c.plugin, c.field, c.key) for c in refused] == [
-        ("20-device-injector", Field.DEVICES, "/dev/nri-null")
-    ]
-    assert str(UnappliedAdjustmentError(refused)) == (
-        'plugin "20-device-injector" set Devices /dev/nri-null, which this runtime cannot '
-        "apply to containers yet"
+    # The device reaches the container's OCI spec: a node and a cgroup rule allowing it.
+    assert unapplied(merged.claims, APPLIED_FIELDS) == []
+    config: dict[str, Any] = {"linux": {"resources": {"devices": [{"allow": False}]}}}
+    apply(config, oci_adjustment(merged.adjust))
+    [node] = config["linux"]["devices"]
+    assert (node["path"], node["type"], node["major"], node["minor"]) == (
+        "/dev/nri-null",
+        "c",
+        1,
+        3,
     )
+    assert config["linux"]["resources"]["devices"][-1] == {
+        "allow": True,
+        "type": "c",
+        "major": 1,
+        "minor": 3,
+        "access": "rw",
+    }
 
 
 async def test_ulimit_adjuster_rlimits_are_owned_by_the_plugin(run_replay: Any) -> None:
@@ -197,15 +207,15 @@ async def test_ulimit_adjuster_rlimits_are_owned_by_the_plugin(run_replay: Any) 
         "RLIMIT_NOFILE": "30-ulimit-adjuster",
         "RLIMIT_NPROC": "30-ulimit-adjuster",
     }
-    refused = unapplied(merged.claims, APPLIED_FIELDS)
-    assert [(c.plugin, c.field, c.key) for c in refused] == [
-        ("30-ulimit-adjuster", Field.RLIMITS, "RLIMIT_NOFILE"),
-        ("30-ulimit-adjuster", Field.RLIMITS, "RLIMIT_NPROC"),
+    # Applied to the process: they replace the spec's own limits of the same type.
+    assert unapplied(merged.claims, APPLIED_FIELDS) == []
+    process = {"rlimits": [{"type": "RLIMIT_NOFILE", "hard": 20000, "soft": 20000}]}
+    config: dict[str, Any] = {"process": process}
+    apply(config, oci_adjustment(merged.adjust))
+    assert config["process"]["rlimits"] == [
+        {"type": "RLIMIT_NOFILE", "hard": 4096, "soft": 1024},
+        {"type": "RLIMIT_NPROC", "hard": 9000, "soft": 9000},
     ]
-    assert str(UnappliedAdjustmentError(refused)) == (
-        'plugin "30-ulimit-adjuster" set Rlimits RLIMIT_NOFILE, which this runtime cannot '
-        "apply to containers yet (and 1 more)"
-    )
 
 
 async def test_old_logger_gets_every_event_through_state_change(run_replay: Any) -> None:

@@ -69,8 +69,8 @@ async def test_an_adjustment_the_runtime_cannot_apply_fails_create_by_name(wired
     with pytest.raises(UnappliedAdjustmentError) as info:
         await runtime_nri.container_creating(make_pod(), container)
     assert str(info.value) == (
-        'plugin "20-devices" set Devices /dev/nri-null, which this runtime cannot apply to '
-        "containers yet"
+        'plugin "20-devices" set Devices /dev/nri-null, which a container without a root of '
+        "its own cannot take (it has no OCI spec)"
     )
     assert container.spec.envs["FOO"] == "1"  # nothing half-applied
 
@@ -95,7 +95,7 @@ async def test_unsolicited_updates_reach_the_runtime_seam(wired: Any) -> None:
         await peer.update_containers(api.UpdateContainersRequest(update=[update]))
     assert info.value.code == Code.UNIMPLEMENTED
     assert info.value.message == (
-        "updating container resources (ctr1) is not supported by this runtime yet"
+        "updating container resources (ctr1) is not supported by this runtime"
     )
 
 
@@ -116,9 +116,9 @@ async def test_container_update_events_in_upstream_order(wired: Any) -> None:
     journal.clear()
     container = make_container()
     container.state = ContainerState.RUNNING
-    # The runtime cannot change resources yet: UpdateContainer goes out, the update is refused
+    # Without a runtime to apply updates: UpdateContainer goes out, the update is refused
     # with the reason, and PostUpdateContainer (which reports an applied update) does not.
-    with pytest.raises(UpdatesNotSupportedError, match="not supported by this runtime yet"):
+    with pytest.raises(UpdatesNotSupportedError, match="not supported by this runtime"):
         await runtime_nri.container_updating(make_pod(), container, resources)
     assert [method for _, method in journal] == ["UpdateContainer"]
 
@@ -161,8 +161,8 @@ async def test_hooks_and_resources_are_merged_then_refused_by_name(wired: Any) -
     with pytest.raises(UnappliedAdjustmentError) as info:
         await runtime_nri.container_creating(make_pod(), created())
     assert str(info.value) == (
-        'plugin "10-hooker" set OciHooks, which this runtime cannot apply to containers yet '
-        "(and 2 more)"
+        'plugin "10-hooker" set OciHooks, which a container without a root of its own cannot '
+        "take (it has no OCI spec) (and 2 more)"
     )
     assert [(c.plugin, c.field.upstream_name) for c in info.value.claims] == [
         ("10-hooker", "OciHooks"),

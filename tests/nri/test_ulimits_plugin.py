@@ -74,7 +74,7 @@ async def ulimits_plugin(make_runtime: Any) -> AsyncIterator[Adaptation]:  # noq
             await task
 
 
-async def test_rlimits_are_merged_owned_and_refused_by_the_runtime(
+async def test_rlimits_are_merged_owned_and_reach_containers_with_a_root(
     ulimits_plugin: Adaptation,
 ) -> None:
     adaptation = ulimits_plugin
@@ -95,9 +95,13 @@ async def test_rlimits_are_merged_owned_and_refused_by_the_runtime(
     with pytest.raises(UnappliedAdjustmentError) as info:
         await RuntimeNri(adaptation, network=False).container_creating(pod, container)
     assert str(info.value) == (
-        'plugin "30-ulimits" set Rlimits RLIMIT_NOFILE, which this runtime cannot apply to '
-        "containers yet"
+        'plugin "30-ulimits" set Rlimits RLIMIT_NOFILE, which a container without a root of its '
+        "own cannot take (it has no OCI spec)"
     )
+    # A container with a root takes them into its OCI spec.
+    container.spec.rootfs = ["/lower"]
+    oci = await RuntimeNri(adaptation, network=False).container_creating(pod, container)
+    assert oci["rlimits"] == [{"type": "RLIMIT_NOFILE", "hard": 64, "soft": 32}]
 
 
 async def test_a_bad_annotation_fails_create_with_the_reason(ulimits_plugin: Adaptation) -> None:

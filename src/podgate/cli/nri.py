@@ -61,6 +61,14 @@ def nri_options(f: click.decorators.FC) -> click.decorators.FC:
                 help="Seconds a plugin may take per event before it is dropped.",
             ),
             click.option(
+                "--cdi-spec-dir",
+                "cdi_spec_dirs",
+                multiple=True,
+                default=defaults.cdi_spec_dirs,
+                show_default=True,
+                help="CDI device specs for plugins' CDI device adjustments (later ones win).",
+            ),
+            click.option(
                 "--network",
                 type=click.Choice(["none", "nri"]),
                 default="none",
@@ -83,6 +91,7 @@ def nri_config(
     nri_plugins: tuple[str, ...],
     nri_request_timeout: float,
     network: str,
+    cdi_spec_dirs: tuple[str, ...] = (),
     default_socket: str = "",
 ) -> NriConfig | None:
     if not nri_enabled:
@@ -103,6 +112,8 @@ def nri_config(
         request_timeout=nri_request_timeout,
         builtin=builtin,
     )
+    if cdi_spec_dirs:
+        config.cdi_spec_dirs = list(cdi_spec_dirs)
     if nri_socket or default_socket:
         config.socket_path = nri_socket or default_socket
     return config

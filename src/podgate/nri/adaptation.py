@@ -66,6 +66,7 @@ from podgate.nri.merge import (
     event_mask,
     subscribed,
 )
+from podgate.oci.cdi import DEFAULT_SPEC_DIRS as DEFAULT_CDI_SPEC_DIRS
 from podgate.proto.ttrpc import Code, OversizedMessageError, TtrpcError, code_name
 
 __all__ = [
@@ -162,6 +163,8 @@ class NriConfig:
     # Plugins launched like pre-installed ones without a plugin dir: (idx, name, argv); argv[0]
     # must be absolute (the plugin's environment has no PATH).
     builtin: list[tuple[str, str, list[str]]] = field(default_factory=list)
+    # Where CDI device specs are read for plugins' CDI device adjustments (in priority order).
+    cdi_spec_dirs: list[str] = field(default_factory=lambda: list(DEFAULT_CDI_SPEC_DIRS))
 
 
 # (event, dedicated method, StateChange fallback?) for the notification-only events.

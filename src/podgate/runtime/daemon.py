@@ -130,8 +130,14 @@ async def running_runtime(config: RuntimeConfig) -> AsyncIterator[RunningRuntime
             runtime_version=Runtime.version,
             sync=lambda: runtime_nri.snapshot(runtime.list_pods(), runtime.list_containers()),
         )
-        runtime_nri = RuntimeNri(adaptation, network=config.nri_network)
+        runtime_nri = RuntimeNri(
+            adaptation,
+            network=config.nri_network,
+            runc=runtime.oci.binary,
+            cdi_spec_dirs=config.nri.cdi_spec_dirs,
+        )
         adaptation.update_handler = runtime_nri  # plugins' container updates reach the runtime
+        runtime_nri.updater = runtime
         runtime.nri = runtime_nri
         await adaptation.start()
         log.info("NRI on unix://%s", config.nri.socket_path)

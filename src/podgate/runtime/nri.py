@@ -16,22 +16,34 @@ order, duplicates dropped.
 
 Nothing a plugin sets is dropped: after merging and validation, CreateContainer fails with the
 plugin and the field named when the adjustment touches a field outside
-`convert.APPLIED_FIELDS`. Container updates plugins ask for come to `update_containers`, the
-seam where resource updates will be applied; today it refuses them as not supported.
+`convert.APPLIED_FIELDS`, or one this host cannot honour (`podgate.oci.adjust.check`: cgroup
+controllers, runc's version, resctrl, configured classes, CDI devices), or — for a container
+without a root of its own, which has no OCI spec — anything beyond env, args, mounts and
+annotations. What passes is returned as OCI-shaped data the runtime applies to the container's
+config.json (podgate.oci.adjust.apply) where containerd applies it.
+
+Container updates (plugins' replies, unsolicited UpdateContainers, and the CRI's
+UpdateContainerResources through UpdateContainer/PostUpdateContainer) reach the runtime through
+a `ContainerUpdater`: new limits into config.json and the live cgroup (`runc update`).
+Evictions stop the container without a StopContainer event: they arrive while the adaptation
+delivers another event, and the event would wait for that one to finish.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 from podgate.model import ContainerRecord, PodRecord, PodState
 from podgate.nri import api_pb2 as api
 from podgate.nri import convert
 from podgate.nri.adaptation import UpdatesNotSupportedError
-from podgate.nri.merge import MergeResult, UnappliedAdjustmentError, unapplied
+from podgate.nri.merge import Claim, MergeResult, NriError, UnappliedAdjustmentError, unapplied
+from podgate.oci import adjust as oci_adjust
+from podgate.oci import cdi, features
 from podgate.runtime.api import FailedPreconditionError
 from podgate.runtime.sandbox import lifecycle as sandbox
 
@@ -89,13 +101,64 @@ def netns_path(pod: PodRecord) -> str:
         return ""
 
 
-class RuntimeNri:
-    """Sends lifecycle events for a Runtime; `network` makes NRI plugins own pod networking."""
+class ContainerUpdater(Protocol):
+    """What the runtime offers plugins' updates (podgate.runtime.runtime.Runtime)."""
 
-    def __init__(self, adaptation: NriAdaptation, *, network: bool) -> None:
+    async def apply_resources(self, container_id: str, resources: dict[str, Any]) -> None:
+        """A partial OCI `linux.resources` into the container's spec and live cgroup."""
+
+    async def evict_container(self, container_id: str, reason: str) -> None:
+        """Stop the container (no NRI event: the caller is inside one)."""
+
+
+class UnsupportedAdjustmentError(NriError):
+    """A plugin set something this host cannot honour; names the plugin, field and why."""
+
+    def __init__(self, claim: Claim | None, refusal: oci_adjust.Refusal) -> None:
+        plugin = claim.plugin if claim is not None else "?"
+        what = f"{refusal.field} {refusal.key}".rstrip()
+        super().__init__(
+            f'plugin "{plugin}" set {what}, which this host cannot honour: {refusal.reason}'
+        )
+        self.plugin = plugin
+        self.refusal = refusal
+
+
+def _owner(claims: Iterable[Claim], refusal: oci_adjust.Refusal) -> Claim | None:
+    """The plugin behind a refused field (the one that set that entry, else the field)."""
+    matching = [c for c in claims if c.field.upstream_name == refusal.field and not c.removed]
+    for claim in matching:
+        if claim.key == refusal.key:
+            return claim
+    return matching[-1] if matching else None
+
+
+class RuntimeNri:
+    """Sends lifecycle events for a Runtime; `network` makes NRI plugins own pod networking.
+    `runc` is the OCI runtime whose features decide what can be honoured; `cdi_spec_dirs`
+    where CDI device specs are read."""
+
+    def __init__(
+        self,
+        adaptation: NriAdaptation,
+        *,
+        network: bool,
+        runc: str = "runc",
+        cdi_spec_dirs: Sequence[str] = cdi.DEFAULT_SPEC_DIRS,
+    ) -> None:
         self.adaptation = adaptation
         self.network = network
+        self.runc = runc
+        self.cdi_spec_dirs = tuple(cdi_spec_dirs)
+        self.updater: ContainerUpdater | None = None
+        self._failures: dict[str, str] = {}  # container id -> why its last update failed
+        self._support: oci_adjust.HostSupport | None = None
         self._status_cache: dict[str, tuple[float, str, list[str]]] = {}
+
+    async def host_support(self) -> oci_adjust.HostSupport:
+        if self._support is None:
+            self._support = await asyncio.to_thread(features.probe, self.runc)
+        return self._support
 
     def pod_message(self, pod: PodRecord) -> api.PodSandbox:
         ips = [pod.ip, *pod.additional_ips] if pod.ip else []
@@ -143,15 +206,51 @@ class RuntimeNri:
         return ip, list(additional)
 
     # ------------------------------------------------------------------ containers
-    async def container_creating(self, pod: PodRecord, container: ContainerRecord) -> None:
-        """Plugins adjust the container before it is recorded; conflicts fail the creation."""
+    async def container_creating(
+        self, pod: PodRecord, container: ContainerRecord
+    ) -> dict[str, Any]:
+        """Plugins adjust the container before it is recorded; conflicts, and what cannot be
+        honoured, fail the creation. Returns the adjustment for the container's OCI spec."""
         result = await self.adaptation.create_container(
             self.pod_message(pod), convert.container(container)
         )
-        refused = unapplied(result.claims, convert.APPLIED_FIELDS)
+        rooted = bool(container.spec.rootfs)
+        fields = convert.APPLIED_FIELDS if rooted else convert.NAMESPACE_CONTAINER_FIELDS
+        refused = unapplied(result.claims, fields)
         if refused:
-            raise UnappliedAdjustmentError(refused)
+            error = UnappliedAdjustmentError(refused)
+            if not rooted:
+                first = refused[0]
+                what = f"{first.field.upstream_name} {first.key}".rstrip()
+                more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
+                error.args = (
+                    f'plugin "{first.plugin}" set {what}, which a container without a root of '
+                    f"its own cannot take (it has no OCI spec){more}",
+                )
+            raise error
+        for mount in result.adjust.mounts:
+            if not rooted and not convert.is_bind(mount):
+                refusal = oci_adjust.Refusal(
+                    "Mounts",
+                    mount.destination,
+                    f"a container without a root takes bind mounts only, not {mount.type}",
+                )
+                raise UnsupportedAdjustmentError(_owner(result.claims, refusal), refusal)
+        adjustment = convert.oci_adjustment(result.adjust) if rooted else {}
+        if adjustment.get("cdiDevices"):
+            try:
+                adjustment["cdiEdits"] = await asyncio.to_thread(
+                    cdi.resolve, adjustment["cdiDevices"], self.cdi_spec_dirs
+                )
+            except (cdi.CdiError, OSError) as exc:
+                refusal = oci_adjust.Refusal("CdiDevices", "", str(exc))
+                raise UnsupportedAdjustmentError(_owner(result.claims, refusal), refusal) from exc
+        if adjustment:
+            refusals = oci_adjust.check(adjustment, await self.host_support())
+            if refusals:
+                raise UnsupportedAdjustmentError(_owner(result.claims, refusals[0]), refusals[0])
         convert.apply_adjustment(container.spec, container.annotations, result.adjust)
+        return adjustment
 
     async def container_updating(
         self, pod: PodRecord, container: ContainerRecord, resources: api.LinuxResources
@@ -161,8 +260,10 @@ class RuntimeNri:
         pod_message, message = self.pod_message(pod), convert.container(container)
         updates = await self.adaptation.update_container(pod_message, message, resources)
         failed = await self.update_containers(updates)
-        if any(not update.ignore_failure for update in failed):
-            raise UpdatesNotSupportedError(f"failed to update container {container.id}")
+        fatal = [update.container_id for update in failed if not update.ignore_failure]
+        if fatal:
+            reasons = "; ".join(f"{i}: {self._failures.get(i, 'failed')}" for i in fatal)
+            raise NriError(f"failed to update containers ({reasons})")
         await self._quietly(
             "PostUpdateContainer", self.adaptation.post_update_container, pod_message, message
         )
@@ -185,21 +286,48 @@ class RuntimeNri:
     async def update_containers(
         self, updates: Sequence[api.ContainerUpdate]
     ) -> list[api.ContainerUpdate]:
-        """Apply plugins' container updates; returns those that failed. Not supported yet:
-        podgate does not change a created container's resources."""
+        """Apply plugins' container updates through the runtime; returns those that failed
+        (each logged with its reason)."""
         if not updates:
             return []
-        ids = ", ".join(update.container_id for update in updates)
-        raise UpdatesNotSupportedError(
-            f"updating container resources ({ids}) is not supported by this runtime yet"
-        )
+        if self.updater is None:
+            ids = ", ".join(update.container_id for update in updates)
+            raise UpdatesNotSupportedError(
+                f"updating container resources ({ids}) is not supported by this runtime"
+            )
+        support = await self.host_support()
+        failed = []
+        for update in updates:
+            resources = convert.oci_resources(update.linux.resources)
+            refusals = oci_adjust.check({"resources": resources}, support)
+            refusals += [
+                oci_adjust.Refusal("HugepageLimits", h["pageSize"], "runc update cannot change it")
+                for h in resources.get("hugepageLimits", ())
+            ]
+            try:
+                if refusals:
+                    raise oci_adjust.AdjustError(refusals[0])
+                if resources:
+                    await self.updater.apply_resources(update.container_id, resources)
+            except Exception as exc:
+                log.warning("nri: update of container %s failed: %s", update.container_id, exc)
+                self._failures[update.container_id] = str(exc)
+                failed.append(update)
+            else:
+                self._failures.pop(update.container_id, None)
+        return failed
 
     async def evict_containers(self, evictions: Sequence[api.ContainerEviction]) -> None:
-        if evictions:
+        if not evictions:
+            return
+        if self.updater is None:
             ids = ", ".join(eviction.container_id for eviction in evictions)
             raise UpdatesNotSupportedError(
-                f"evicting containers ({ids}) is not supported by this runtime yet"
+                f"evicting containers ({ids}) is not supported by this runtime"
             )
+        for eviction in evictions:
+            log.info("nri: evicting container %s: %s", eviction.container_id, eviction.reason)
+            await self.updater.evict_container(eviction.container_id, eviction.reason)
 
     async def container_created(self, pod: PodRecord, container: ContainerRecord) -> None:
         await self._quietly(

@@ -29,6 +29,7 @@ from typing import Any, Final
 from podgate.files import atomic_write
 from podgate.linux import ns
 from podgate.model import ContainerRecord, NamespaceMode, PodRecord
+from podgate.oci import adjust as adjust_mod
 from podgate.oci import bundle as bundle_mod
 from podgate.oci import cgroups, overlay, seccomp, spec, users
 from podgate.oci.runc import DEFAULT_RUNTIME, Runc, RuncError
@@ -136,8 +137,16 @@ class OciContainers:
     def bundle_dir(run: Path) -> Path:
         return run / "bundle"
 
-    def create(self, pod: PodRecord, container: ContainerRecord, pod_run: Path, run: Path) -> None:
-        """Mount the root, resolve the user and write config.json; OciError on bad input."""
+    def create(
+        self,
+        pod: PodRecord,
+        container: ContainerRecord,
+        pod_run: Path,
+        run: Path,
+        adjustment: dict[str, Any] | None = None,
+    ) -> None:
+        """Mount the root, resolve the user and write config.json; OciError on bad input.
+        `adjustment` (NRI's, podgate.oci.adjust) is applied to the spec before it is written."""
         cspec = container.spec
         bundle = self.bundle_dir(run)
         rootfs = bundle / "rootfs"
@@ -149,13 +158,19 @@ class OciContainers:
         except OSError as exc:
             raise OciError(f"failed to mount the container's root: {exc}") from exc
         try:
-            self._write_config(pod, container, pod_run, bundle, rootfs)
+            self._write_config(pod, container, pod_run, bundle, rootfs, adjustment or {})
         except BaseException:
             self.remove(container, run)
             raise
 
     def _write_config(
-        self, pod: PodRecord, container: ContainerRecord, pod_run: Path, bundle: Path, rootfs: Path
+        self,
+        pod: PodRecord,
+        container: ContainerRecord,
+        pod_run: Path,
+        bundle: Path,
+        rootfs: Path,
+        adjustment: dict[str, Any],
     ) -> None:
         cspec = container.spec
         image = spec.ImageConfig.from_json(cspec.image_config)
@@ -214,6 +229,10 @@ class OciContainers:
             )
         except spec.SpecError as exc:
             raise OciError(str(exc)) from exc
+        try:  # where containerd applies NRI's adjustment: spec built, bundle not yet written
+            adjust_mod.apply(config, adjustment, swap=host.swap_controller)
+        except adjust_mod.AdjustError as exc:
+            raise OciError(f"NRI adjustment: {exc}") from exc
         bundle_mod.write_json(str(bundle / "config.json"), config)
 
     def shim_config(self, container: ContainerRecord, run: Path) -> dict[str, str]:
@@ -256,6 +275,35 @@ class OciContainers:
         if running:
             path = run / "resources.json"
             bundle_mod.write_json(str(path), {k: v for k, v in new.items() if k != "devices"})
+            try:
+                await self.runc(container.id, run).update(container.id, str(path))
+            except RuncError as exc:
+                raise OciError(f"failed to update resources: {exc}") from exc
+
+    async def update_resources(
+        self,
+        container: ContainerRecord,
+        run: Path,
+        resources: dict[str, Any],
+        running: bool,
+        oom_score_adj: int | None = None,
+    ) -> None:
+        """A partial OCI `linux.resources` (an NRI update) merged into config.json, and the
+        result into the live cgroup (`runc update`) if running. `oom_score_adj` (the CRI's)
+        goes to config.json only, as in `update`."""
+        bundle = self.bundle_dir(run)
+        config = _read_config(bundle)
+        current = config["linux"].setdefault("resources", {})
+        adjust_mod.merge_resources(current, resources, swap=self.host.swap_controller)
+        if oom_score_adj is not None:
+            config["process"]["oomScoreAdj"] = oom_score_adj
+        bundle_mod.write_json(str(bundle / "config.json"), config)
+        if running:
+            path = run / "resources.json"
+            bundle_mod.write_json(
+                str(path),
+                {k: v for k, v in current.items() if k not in ("devices", "hugepageLimits")},
+            )
             try:
                 await self.runc(container.id, run).update(container.id, str(path))
             except RuncError as exc:

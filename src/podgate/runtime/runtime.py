@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from podgate import __version__
 from podgate.linux import holder as holder_mod
@@ -32,6 +33,7 @@ from podgate.model import (
     PodRecord,
     PodState,
 )
+from podgate.nri.convert import nri_resources
 from podgate.oci import cgroups, overlay
 from podgate.oci.bundle import write_json as write_private_json
 from podgate.oci.securejoin import secure_join
@@ -392,16 +394,17 @@ class Runtime:
             labels=dict(labels),
             annotations=dict(annotations),
         )
+        adjustment: dict[str, Any] = {}
         if self.nri is not None:
-            try:
-                await self.nri.container_creating(pod, container)  # plugins' adjustments
+            try:  # plugins' adjustments: the spec's, and the rest for config.json
+                adjustment = await self.nri.container_creating(pod, container)
             except Exception as exc:
                 raise FailedPreconditionError(f"NRI CreateContainer failed: {exc}") from exc
         if spec.rootfs:
             run = self.store.run_path(container_id)
             try:
                 await asyncio.to_thread(
-                    self.oci.create, pod, container, self.store.run_path(pod.id), run
+                    self.oci.create, pod, container, self.store.run_path(pod.id), run, adjustment
                 )
             except OciError as exc:
                 self.store.remove_run_path(container_id)
@@ -481,7 +484,9 @@ class Runtime:
         async with self._lock(container.id):
             await self._stop_container(container, timeout)
 
-    async def _stop_container(self, container: ContainerRecord, timeout: float) -> None:
+    async def _stop_container(
+        self, container: ContainerRecord, timeout: float, *, notify: bool = True
+    ) -> None:
         self._refresh_container(container)
         if container.state is ContainerState.CREATED:
             container.state = ContainerState.EXITED
@@ -500,7 +505,7 @@ class Runtime:
             log.warning("container %s did not report its exit", container.id[:12])
         self._refresh_container(container)
         pod = self.pods.get(container.pod_id)
-        if self.nri is not None and pod is not None:
+        if self.nri is not None and pod is not None and notify:
             await self.nri.container_stopped(pod, container)
 
     async def _wait_exit(self, container: ContainerRecord, timeout: float) -> bool:
@@ -642,13 +647,33 @@ class Runtime:
             raise FailedPreconditionError(
                 f"container {container.id} has no root of its own (no cgroup to update)"
             )
+        merged = dict(container.spec.resources)
+        merged.update({k: v for k, v in resources.items() if v})  # zero = unchanged
+        if self.nri is not None:
+            # UpdateContainer: plugins may change the request and ask for other updates, all
+            # applied through apply_resources; then PostUpdateContainer.
+            pod = self.get_pod(container.pod_id)
+            try:
+                await self.nri.container_updating(pod, container, nri_resources(merged))
+            except Exception as exc:
+                raise FailedPreconditionError(f"NRI UpdateContainer failed: {exc}") from exc
+            async with self._lock(container.id):
+                if "oom_score_adj" in resources:  # not NRI's: config.json only, as without NRI
+                    await self.oci.update_resources(
+                        container,
+                        self.store.run_path(container.id),
+                        {},
+                        running=False,
+                        oom_score_adj=int(merged.get("oom_score_adj") or 0),
+                    )
+                container.spec.resources = merged
+                self.store.save_container(container)
+            return
         async with self._lock(container.id):
             if container.state not in (ContainerState.CREATED, ContainerState.RUNNING):
                 raise FailedPreconditionError(
                     f"container {container.id} is {container.state.value}"
                 )
-            merged = dict(container.spec.resources)
-            merged.update({k: v for k, v in resources.items() if v})  # zero = unchanged
             try:
                 await self.oci.update(
                     container,
@@ -659,6 +684,36 @@ class Runtime:
             except OciError as exc:
                 raise FailedPreconditionError(str(exc)) from exc
             container.spec.resources = merged
+            self.store.save_container(container)
+
+    async def apply_resources(self, container_id: str, resources: dict[str, Any]) -> None:
+        """An NRI container update: a partial OCI `linux.resources` into config.json and, for
+        a running container, its cgroup (runtime.nri.ContainerUpdater)."""
+        container = self.get_container(container_id)
+        if not container.spec.rootfs:
+            raise FailedPreconditionError(
+                f"container {container.id} has no root of its own (no cgroup to update)"
+            )
+        if container.state not in (ContainerState.CREATED, ContainerState.RUNNING):
+            raise FailedPreconditionError(f"container {container.id} is {container.state.value}")
+        async with self._lock(container.id):
+            try:
+                await self.oci.update_resources(
+                    container,
+                    self.store.run_path(container.id),
+                    resources,
+                    running=container.state is ContainerState.RUNNING,
+                )
+            except OciError as exc:
+                raise FailedPreconditionError(str(exc)) from exc
+
+    async def evict_container(self, container_id: str, reason: str) -> None:
+        """An NRI eviction: the container is stopped at once (SIGKILL after no grace)."""
+        container = self.get_container(container_id)
+        async with self._lock(container.id):
+            await self._stop_container(container, 0, notify=False)
+            container.reason = "Evicted"
+            container.message = reason
             self.store.save_container(container)
 
     async def reopen_container_log(self, container_id: str) -> None:

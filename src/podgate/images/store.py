@@ -299,6 +299,22 @@ class ImageStore:
         rec = self._records[image_id]
         return self.snapshots.lowerdirs(rec.chain_ids)
 
+    def acquire(self, ref: str, lease: str) -> tuple[ImageRecord, list[Path]] | None:
+        """A container takes the image `ref` names: its record and its snapshots' overlay
+        lower dirs, held under `lease` until `release(lease)` (RemoveImage and garbage
+        collection keep leased snapshots). None when no image has that name, digest or ID."""
+        with self._locked():
+            rec = self.get(ref)
+            if rec is None:
+                return None
+            return rec, self.snapshots.acquire(lease, rec.chain_ids)
+
+    def release(self, lease: str) -> None:
+        """Drop a container's lease; snapshots no image and no lease uses go."""
+        with self._locked():
+            self.snapshots.release(lease)
+            self._gc()
+
     # -- registration ----------------------------------------------------------------------------
 
     def _read_manifest(self, manifest_digest: str) -> tuple[dict[str, Any], dict[str, Any], str]:

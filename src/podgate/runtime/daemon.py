@@ -95,6 +95,7 @@ async def running_runtime(config: RuntimeConfig) -> AsyncIterator[RunningRuntime
         config.state_dir,
         config.file.images.max_layer_bytes or DEFAULT_MAX_LAYER_BYTES,
     )
+    runtime.images = images
     puller = Puller(
         images,
         config.file.registries,

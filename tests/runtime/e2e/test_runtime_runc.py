@@ -39,6 +39,7 @@ from runtime_e2e_support import (
 from busybox_rootfs import make_rootfs
 from podgate.cri import api_pb2 as pb
 from podgate.cri import api_pb2_grpc as pb_grpc
+from podgate.runtime.store import RUN_NAME_CHARS, run_root
 from podgate.streaming.client import ExecResult, exec_spdy
 
 pytestmark = [
@@ -556,13 +557,14 @@ async def test_removal_leaves_no_mounts_or_runc_state(
     cid = await container(cri, pod, rootfs, "main", ["sleep", "1000"])
     runc_root = runtime_daemon.state_dir / "runc"
     assert (runc_root / cid).is_dir()
-    state = str(runtime_daemon.state_dir)
+    run = run_root(runtime_daemon.state_dir)
+    container_run, pod_run = run / cid[:RUN_NAME_CHARS], run / pod.id[:RUN_NAME_CHARS]
     mounts = Path("/proc/self/mountinfo").read_text()
-    assert f"{state}/run/{cid}/bundle/rootfs" in mounts
-    assert f"{state}/run/{pod.id}/shm" in mounts
+    assert f"{container_run}/bundle/rootfs" in mounts
+    assert f"{pod_run}/shm" in mounts
     await pods.remove_all()
     mounts = Path("/proc/self/mountinfo").read_text()
-    assert state + "/run/" + cid not in mounts and f"{state}/run/{pod.id}" not in mounts
+    assert f"{container_run}/" not in mounts and f"{pod_run}/" not in mounts
     assert not (runc_root / cid).exists()
     assert Path(f"/sys/fs/cgroup/memory/podgate/{pod.id}").parent.is_dir()
     assert list(Path("/sys/fs/cgroup").glob(f"*/podgate/{pod.id}")) == []  # every hierarchy

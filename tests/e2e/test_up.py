@@ -120,7 +120,7 @@ def test_port_forward_reaches_the_loopback_only_server(up: dict[str, str]) -> No
                 reply = b""
                 while chunk := c.recv(65536):
                     reply += chunk
-            assert reply.startswith(b"HTTP/1.0 200")
+            assert reply.startswith(b"HTTP/1.1 200")  # busybox httpd
             assert reply.endswith(b"hello from podgate\n")
     finally:
         pf.terminate()

@@ -371,10 +371,6 @@ class Runtime:
             raise InvalidArgumentError("container needs a command")
         if spec.run_as_username and not (spec.rootfs or from_store):
             raise InvalidArgumentError("run_as_username needs a container root (an image)")
-        if (spec.rootfs or from_store) and sandbox.is_sandboxed(pod):
-            raise InvalidArgumentError(
-                f"runtime handler {pod.runtime_handler!r} does not run containers from a root yet"
-            )
         if spec.tty and not spec.stdin and spec.stdin_once:
             raise InvalidArgumentError("stdin_once needs stdin")
         for other in self.pod_containers(pod.id):

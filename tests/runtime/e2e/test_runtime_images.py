@@ -8,6 +8,7 @@ based pods adopted by a daemon restarted after kill -9.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import subprocess
@@ -375,3 +376,27 @@ async def test_image_pods_survive_a_killed_daemon_and_are_adopted(images: Images
                 await cri.rt.RemovePodSandbox(pb.RemovePodSandboxRequest(pod_sandbox_id=pod[0]))
                 assert not lease(root / "s", cid).exists()
                 assert not snapshot_dir(root / "s", images.app).exists()
+
+
+async def test_sandboxed_pod_runs_image_containers_in_the_guest(daemon: RuntimeDaemon) -> None:
+    async with connect(daemon) as cri:
+        pods = Pods(cri.rt)
+        try:
+            pod = await pods.run("images-sandboxed", runtime_handler="sandboxed")
+            cid = await create(
+                cri, (pod.id, pod.config), "localhost/e2e/busybox:1", "sh", ["sleep", "1000"]
+            )
+            await cri.rt.StartContainer(pb.StartContainerRequest(container_id=cid))
+            record = json.loads((daemon.state_dir / "pods" / f"{pod.id}.json").read_text())
+            guest = int(record["extra"]["guest_ns_pid"])
+            holder = int(record["ns_process"]["pid"])
+            inside = await ok(
+                cri, cid, "sh", "-c", "for n in net uts; do readlink /proc/self/ns/$n; done"
+            )
+            # The container joined the guest's network and UTS namespaces, not the host side's.
+            guest_ns = [os.readlink(f"/proc/{guest}/ns/{k}") for k in ("net", "uts")]
+            assert inside.split() == guest_ns
+            assert os.readlink(f"/proc/{holder}/ns/net") != guest_ns[0]
+            assert await ok(cri, cid, "ls", "/bin/busybox") == "/bin/busybox\n"
+        finally:
+            await pods.remove_all()

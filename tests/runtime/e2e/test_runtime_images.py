@@ -7,6 +7,7 @@ based pods adopted by a daemon restarted after kill -9.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -23,12 +24,16 @@ import grpc.aio
 import pytest
 from runtime_e2e_support import (
     POD_NAMESPACE,
+    WAIT_SECONDS,
     Pods,
+    Resizes,
     RuntimeDaemon,
+    Sink,
     channel_options,
     rpc_error,
     running_daemon,
     state_root,
+    stream_target,
     wait_for_log,
 )
 
@@ -37,6 +42,7 @@ from podgate.cri import api_pb2_grpc as pb_grpc
 from podgate.demo.sample_images import SampleImageError, build_sample_images
 from podgate.images.builder import BuiltImage, build_image, dir_layer, write_oci_layout
 from podgate.images.snapshots import chain_ids
+from podgate.streaming.client import exec_spdy
 
 pytestmark = [
     pytest.mark.privileged,
@@ -56,6 +62,8 @@ APP_CMD = (
 EXEC_TIMEOUT = 30
 STOP_TIMEOUT = 30
 IMPORT_TIMEOUT_SECONDS = 120
+# tty exec sessions in a row: the first size must reach every one of them.
+TTY_ROUNDS = 5
 
 
 @dataclass
@@ -398,5 +406,47 @@ async def test_sandboxed_pod_runs_image_containers_in_the_guest(daemon: RuntimeD
             assert inside.split() == guest_ns
             assert os.readlink(f"/proc/{holder}/ns/net") != guest_ns[0]
             assert await ok(cri, cid, "ls", "/bin/busybox") == "/bin/busybox\n"
+        finally:
+            await pods.remove_all()
+
+
+# runc sizes the container's terminal just after the process started, and busybox's stty fails
+# on a terminal without a size: the script retries until it reads one, prints it, then waits
+# for the second size.
+TTY_SCRIPT = (
+    'while :; do s=$(stty size 2>/dev/null); case "$s" in [1-9]*) break;; esac; sleep 0.05;'
+    ' done; echo "$s"; while [ "$(stty size 2>/dev/null)" != \'43 132\' ]; do sleep 0.05;'
+    " done; echo now 43 132"
+)
+
+
+async def test_exec_with_a_tty_gets_the_clients_sizes(daemon: RuntimeDaemon) -> None:
+    async with connect(daemon) as cri:
+        pods = Pods(cri.rt)
+        try:
+            pod = await run_pod(cri, pods, "images-tty")
+            cid = await create(cri, pod, "localhost/e2e/busybox:1", "sh", ["sleep", "1000"])
+            await cri.rt.StartContainer(pb.StartContainerRequest(container_id=cid))
+            for _ in range(TTY_ROUNDS):
+                request = pb.ExecRequest(
+                    container_id=cid, cmd=["sh", "-c", TTY_SCRIPT], stdout=True, tty=True
+                )
+                url = (await cri.rt.Exec(request)).url
+                resizes, stdout = Resizes(), Sink()
+                resizes.push(100, 30)
+                endpoint, path = stream_target(url)
+                session = asyncio.create_task(
+                    exec_spdy(endpoint, path, stdout=stdout, tty=True, resizes=resizes.sizes())
+                )
+                try:
+                    async with asyncio.timeout(WAIT_SECONDS):
+                        await stdout.wait_for(b"30 100\r\n", session=session)
+                        resizes.push(132, 43)
+                        result = await session
+                finally:
+                    resizes.close()
+                    session.cancel()
+                assert result.exit_code == 0
+                assert bytes(stdout.data) == b"30 100\r\nnow 43 132\r\n"
         finally:
             await pods.remove_all()

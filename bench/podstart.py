@@ -157,19 +157,19 @@ def _children(parent: int) -> list[int]:
     return out
 
 
-def podgate_pod_pids(state: Path, sandbox: str, container: str) -> list[int]:
+def podgate_pod_pids(state: Path, sandbox: str, container: str) -> dict[str, int]:
     """The holder, the namespace holder (if another process) and the container's shim."""
     pod = json.loads((state / "pods" / f"{sandbox}.json").read_text())
     ctr = json.loads((state / "containers" / f"{container}.json").read_text())
-    pids = {pod[k]["pid"] for k in ("holder", "ns_process") if pod.get(k)}
-    if ctr.get("shim"):
-        pids.add(ctr["shim"]["pid"])
-    return sorted(pids)
+    pids = {"holder": pod["holder"]["pid"], "shim": ctr["shim"]["pid"]}
+    if pod.get("ns_process") and pod["ns_process"]["pid"] != pids["holder"]:
+        pids["ns holder"] = pod["ns_process"]["pid"]
+    return pids
 
 
 def containerd_pod_pids(
     ctrd: containerd_support.Containerd, rt: pb_grpc.RuntimeServiceStub, container: str
-) -> list[int]:
+) -> dict[str, int]:
     """The pod's shim and the sandbox process: the shim's children but the container's."""
     status = rt.ContainerStatus(
         pb.ContainerStatusRequest(container_id=container, verbose=True),
@@ -179,7 +179,8 @@ def containerd_pod_pids(
     shim = _ppid(workload)
     if shim not in containerd_support._shims_of(ctrd.socket):
         raise RuntimeError(f"the parent of container process {workload} is not a shim")
-    return [shim, *(p for p in _children(shim) if p != workload)]
+    pause = [p for p in _children(shim) if p != workload]
+    return {"shim": shim, **{f"pause{'' if i == 0 else i}": p for i, p in enumerate(pause)}}
 
 
 def nearest_rank(values: list[float], q: float) -> float:
@@ -263,9 +264,9 @@ def run_podstart(pods: int, progress: Progress) -> dict[str, Any]:
     return section
 
 
-def _pss_sum(pids: list[int]) -> dict[str, Any]:
-    values = [pss_kib(p) for p in pids]
-    return {"pids": len(pids), "kib": sum(v for v in values if v is not None)}
+def _pss_sum(pids: dict[str, int]) -> dict[str, Any]:
+    values = {role: pss_kib(pid) or 0 for role, pid in pids.items()}
+    return {"pids": len(pids), "kib": sum(values.values()), "by_process": values}
 
 
 def summarize(section: dict[str, Any]) -> list[dict[str, Any]]:
@@ -285,6 +286,12 @@ def summarize(section: dict[str, Any]) -> list[dict[str, Any]]:
             "processes": statistics.median([m["pids"] for m in section["memory"][tool]])
             if memory
             else None,
+            "by_process": {
+                role: statistics.median(
+                    m["by_process"].get(role, 0) for m in section["memory"][tool]
+                )
+                for role in sorted({r for m in section["memory"][tool] for r in m["by_process"]})
+            },
         }
         medians[tool] = entry
         out.append(entry)
@@ -343,6 +350,9 @@ def tables(section: dict[str, Any]) -> SectionTables:
 def _notes(section: dict[str, Any]) -> list[str]:
     notes = [f"command: {section['command']}"]
     for s in section["summary"]:
+        if s["by_process"]:
+            parts = ", ".join(f"{r} {kib / 1024:.1f}" for r, kib in s["by_process"].items())
+            notes.append(f"{s['tool']} PSS MiB per process (median): {parts}")
         notes += [f"{s['tool']} failed: {e}" for e in s["errors"]]
     return notes
 

@@ -309,6 +309,18 @@ class ImageStore:
                 return None
             return rec, self.snapshots.acquire(lease, rec.chain_ids)
 
+    def release_unknown(self, known: Iterable[str]) -> list[str]:
+        """Drop the leases of containers not in `known` (a crash between taking a lease and
+        recording the container); returns their ids."""
+        keep = set(known)
+        with self._locked():
+            stale = [lease for lease in self.snapshots.leases() if lease not in keep]
+            for lease in stale:
+                self.snapshots.release(lease)
+            if stale:
+                self._gc()
+        return stale
+
     def release(self, lease: str) -> None:
         """Drop a container's lease; snapshots no image and no lease uses go."""
         with self._locked():

@@ -357,7 +357,12 @@ async def test_image_pods_survive_a_killed_daemon_and_are_adopted(images: Images
                 await wait_for_log(cri.rt, cid, b"started as")
         finally:
             first.kill()
+        # A lease whose container was never recorded (a crash inside CreateContainer).
+        stray = lease(root / "s", "0" * 64)
+        stray.write_text(json.dumps(chain_ids(images.app.diff_ids)))
         with running_daemon(root) as second:
+            assert not stray.exists()  # released on start; the live container's stays
+            assert lease(root / "s", cid).exists()
             async with connect(second) as cri:
                 status = (
                     await cri.rt.ContainerStatus(pb.ContainerStatusRequest(container_id=cid))

@@ -1,8 +1,8 @@
 """Containers with a root run through runc: a real `podgate runtime` daemon, a busybox root.
 
-The image is a directory (Debian's busybox-static installed into it, plus /etc/passwd and
-/etc/group) passed as an absolute `image.image`, until the image store supplies lower
-directories. Every check runs inside the container through ExecSync (runc exec) or reads its
+The root is a directory (Debian's busybox-static installed into it, plus /etc/passwd and
+/etc/group) passed as an absolute `image.image`: the node-directory form the runtime keeps
+beside images from its store (those are tested in test_runtime_images.py). Every check runs inside the container through ExecSync (runc exec) or reads its
 log, and compares with what containerd gives (the shared docs, reference/images-and-oci.md).
 """
 

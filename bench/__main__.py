@@ -26,6 +26,7 @@ from bench import containerd as bench_containerd
 from bench import forward as bench_forward
 from bench import gateway as bench_gateway
 from bench import images as bench_images
+from bench import podstart as bench_podstart
 from bench import proxy as bench_proxy
 from bench import runtime as bench_runtime
 from bench import startup as bench_startup
@@ -195,6 +196,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="bytes of the generated image of the images part (default 50M)",
     )
     parser.add_argument(
+        "--podstart",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also time pod start and measure per-pod memory: podgate vs containerd 1.6 + "
+        "runc, same image (default: on as root)",
+    )
+    parser.add_argument(
+        "--podstart-pods",
+        type=int,
+        default=bench_podstart.DEFAULT_PODS,
+        help=f"pods per runtime in the pod start part (default {bench_podstart.DEFAULT_PODS})",
+    )
+    parser.add_argument(
         "--authflood",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -299,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     startup = None
     with_images = args.images if args.images is not None else os.geteuid() == 0
     images = None
+    with_podstart = args.podstart if args.podstart is not None else os.geteuid() == 0
+    podstart = None
     with_authflood = args.authflood if args.authflood is not None else not args.skip_kubectl
     authflood = None
     with_proxy = args.proxy if args.proxy is not None else os.geteuid() == 0
@@ -326,6 +342,12 @@ def main(argv: list[str] | None = None) -> int:
                 images = bench_images.run_images(args.image_size, options.runs, progress)
             else:
                 err.print(f"[yellow]images part skipped: {why}[/yellow]")
+        if with_podstart:
+            why = bench_podstart.unavailable()
+            if why is None:
+                podstart = bench_podstart.run_podstart(args.podstart_pods, progress)
+            else:
+                err.print(f"[yellow]pod start part skipped: {why}[/yellow]")
         if with_authflood:
             authflood = bench_authflood.run_authflood(
                 args.kubectl, progress, args.authflood_seconds
@@ -353,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
         data["startup"] = startup
     if images is not None:
         data["images"] = images
+    if podstart is not None:
+        data["podstart"] = podstart
     if authflood is not None:
         data["authflood"] = authflood
     if proxy is not None:
@@ -368,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         + ("\n" + bench_forward.markdown(forward) if forward is not None else "")
         + ("\n" + bench_startup.markdown(startup) if startup is not None else "")
         + ("\n" + bench_images.markdown(images) if images is not None else "")
+        + ("\n" + bench_podstart.markdown(podstart) if podstart is not None else "")
         + ("\n" + bench_authflood.markdown(authflood) if authflood is not None else "")
         + ("\n" + bench_proxy.markdown(proxy) if proxy is not None else "")
     )
@@ -384,6 +409,8 @@ def main(argv: list[str] | None = None) -> int:
         bench_startup.print_report(startup, console)
     if images is not None:
         bench_images.print_report(images, console)
+    if podstart is not None:
+        bench_podstart.print_report(podstart, console)
     if authflood is not None:
         bench_authflood.print_report(authflood, console)
     if proxy is not None:
@@ -397,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
     if forward is not None and bench_forward.failed(forward):
         return 1
     if images is not None and bench_images.failed(images):
+        return 1
+    if podstart is not None and bench_podstart.failed(podstart):
         return 1
     if authflood is not None and bench_authflood.failed(authflood):
         return 1

@@ -107,6 +107,11 @@ class ContainerSpec:
     rootfs: list[str] = field(default_factory=list)
     # The image config's Entrypoint, Cmd, Env, WorkingDir, User (OCI image-spec names).
     image_config: dict[str, Any] = field(default_factory=dict)
+    # The image from the store the root was made of (empty without one): its ID, the repo
+    # digest or ID ContainerStatus reports as image_ref, and its first tag (image.image).
+    image_id: str = ""
+    image_ref: str = ""
+    image_name: str = ""
     run_as_username: str = ""
     supplemental_groups: list[int] = field(default_factory=list)
     supplemental_groups_strict: bool = False

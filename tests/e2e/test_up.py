@@ -99,6 +99,21 @@ def test_exec_runs_inside_the_pod(up: dict[str, str]) -> None:
     assert socket.gethostname() != "hello"
 
 
+def test_sample_pods_run_from_their_images(up: dict[str, str]) -> None:
+    # hello's root is localhost/podgate/hello: its /www, and none of the node's files.
+    out = run_kubectl(up, "exec", "hello", "--", "cat", "/www/index.html")
+    assert (out.returncode, out.stdout) == (0, "hello from podgate\n"), out.stderr
+    for pod in ("hello", "shell"):
+        out = run_kubectl(up, "exec", pod, "--", "ls", sys.executable)
+        assert out.returncode != 0 and "No such file" in out.stderr, (pod, out)
+    # busybox httpd answers inside the pod and logs the request (kubectl logs: its stderr).
+    out = run_kubectl(up, "exec", "hello", "--", "wget", "-qO-", "http://127.0.0.1:8080/")
+    assert (out.returncode, out.stdout) == (0, "hello from podgate\n"), out.stderr
+    logs = run_kubectl(up, "logs", "hello")
+    assert logs.returncode == 0, logs.stderr
+    assert "127.0.0.1:" in logs.stdout and "response:200" in logs.stdout, logs.stdout
+
+
 def test_port_forward_reaches_the_loopback_only_server(up: dict[str, str]) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -120,7 +135,7 @@ def test_port_forward_reaches_the_loopback_only_server(up: dict[str, str]) -> No
                 reply = b""
                 while chunk := c.recv(65536):
                     reply += chunk
-            assert reply.startswith(b"HTTP/1.0 200")
+            assert reply.startswith(b"HTTP/1.1 200")  # busybox httpd
             assert reply.endswith(b"hello from podgate\n")
     finally:
         pf.terminate()

@@ -231,10 +231,11 @@ def test_exec_stdin(kubectl: Kubectl) -> None:
 
 def test_exec_tty_size(kubectl: Kubectl) -> None:
     # The first size travels separately from the upgrade (test_tty_initial_size.py): the shell
-    # waits (5 s at most) for the pty to have one before printing it.
+    # waits (5 s at most) for the pty to have one before printing it. busybox's stty fails on a
+    # pty without a size (coreutils' prints "0 0"): anything but "ROWS COLS" means "not yet".
     script = (
-        "i=0; while [ \"$(stty size)\" = '0 0' ] && [ $i -lt 100 ]; do sleep 0.05; i=$((i+1));"
-        " done; stty size"
+        'i=0; while :; do s=$(stty size 2>/dev/null); case "$s" in [1-9]*) break;; esac;'
+        ' [ $i -ge 100 ] && break; sleep 0.05; i=$((i+1)); done; echo "$s"'
     )
     with kubectl.pty_session(
         ["exec", "-i", "-t", "hello", "--", "sh", "-c", script], rows=ROWS, cols=COLS

@@ -966,9 +966,10 @@ _BAD_REQUESTS: list[tuple[str, Any, str]] = [
         pb.CreateContainerRequest(
             pod_sandbox_id="p",
             config=container_config(
+                image=pb.ImageSpec(image=""),  # a user name is resolved in an image
                 linux=pb.LinuxContainerConfig(
                     security_context=pb.LinuxContainerSecurityContext(run_as_username="nobody")
-                )
+                ),
             ),
         ),
         "run_as_username",

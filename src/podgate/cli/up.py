@@ -21,6 +21,7 @@ from podgate.node.cri_client import CriClient, CriPodSource
 from podgate.node.gateway import GatewayConfig
 from podgate.node.server import running_gateway
 from podgate.node.upstream import CriTarget
+from podgate.runtime.api import NotFoundError
 from podgate.runtime.daemon import RuntimeConfig, running_runtime
 from podgate.runtime.store import state_socket
 
@@ -130,7 +131,11 @@ async def _up(
                         names = ", ".join(n for r in records for n in r.repo_tags)
                         log.info("sample images: %s", names)
                 for sample in samples:
-                    pod_ids.append(await ensure_example(running.runtime, sample))
+                    try:
+                        pod_ids.append(await ensure_example(running.runtime, sample))
+                    except NotFoundError as exc:  # its image could not be built
+                        name = sample["pod"]["metadata"]["name"]  # type: ignore[index]
+                        log.warning("sample pod %s not started: %s", name, exc)
                 credentials = gateway.credentials
                 kubeconfig = str(
                     credentials.kubeconfig_token if plain_http else credentials.kubeconfig

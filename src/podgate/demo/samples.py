@@ -42,12 +42,23 @@ async def ensure_example(runtime: Runtime, data: dict[str, Any]) -> str:
             runtime_handler=data["pod"].get("runtime_handler", ""),
         )
     )
-    for c in data["containers"]:
+    try:
+        await _start_containers(runtime, pod_id, data["containers"])
+    except BaseException:
+        await runtime.remove_pod(pod_id)  # nothing of a sample that did not start stays
+        raise
+    return pod_id
+
+
+async def _start_containers(runtime: Runtime, pod_id: str, containers: list[Any]) -> None:
+    for c in containers:
         container_id = await runtime.create_container(
             pod_id,
             ContainerMetadata(c["name"]),
             ContainerSpec(
-                command=list(c["command"]),
+                # An image from the runtime's store (by name); none: the node's filesystem.
+                image=str(c.get("image", "")),
+                command=list(c.get("command", [])),
                 args=list(c.get("args", [])),
                 envs=dict(c.get("env", {})),
                 working_dir=c.get("workingDir", ""),
@@ -59,4 +70,3 @@ async def ensure_example(runtime: Runtime, data: dict[str, Any]) -> str:
             annotations={PORTS_ANNOTATION: json.dumps(c.get("ports", []))},
         )
         await runtime.start_container(container_id)
-    return pod_id

@@ -188,6 +188,10 @@ class SnapshotStore:
         with contextlib.suppress(FileNotFoundError):
             (self.leases_dir / f"{lease}.json").unlink()
 
+    def leases(self) -> list[str]:
+        """The ids holding leases."""
+        return sorted(p.stem for p in self.leases_dir.glob("*.json"))
+
     def leased(self) -> set[str]:
         held: set[str] = set()
         for p in self.leases_dir.glob("*.json"):

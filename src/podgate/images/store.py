@@ -299,6 +299,34 @@ class ImageStore:
         rec = self._records[image_id]
         return self.snapshots.lowerdirs(rec.chain_ids)
 
+    def acquire(self, ref: str, lease: str) -> tuple[ImageRecord, list[Path]] | None:
+        """A container takes the image `ref` names: its record and its snapshots' overlay
+        lower dirs, held under `lease` until `release(lease)` (RemoveImage and garbage
+        collection keep leased snapshots). None when no image has that name, digest or ID."""
+        with self._locked():
+            rec = self.get(ref)
+            if rec is None:
+                return None
+            return rec, self.snapshots.acquire(lease, rec.chain_ids)
+
+    def release_unknown(self, known: Iterable[str]) -> list[str]:
+        """Drop the leases of containers not in `known` (a crash between taking a lease and
+        recording the container); returns their ids."""
+        keep = set(known)
+        with self._locked():
+            stale = [lease for lease in self.snapshots.leases() if lease not in keep]
+            for lease in stale:
+                self.snapshots.release(lease)
+            if stale:
+                self._gc()
+        return stale
+
+    def release(self, lease: str) -> None:
+        """Drop a container's lease; snapshots no image and no lease uses go."""
+        with self._locked():
+            self.snapshots.release(lease)
+            self._gc()
+
     # -- registration ----------------------------------------------------------------------------
 
     def _read_manifest(self, manifest_digest: str) -> tuple[dict[str, Any], dict[str, Any], str]:

@@ -95,6 +95,10 @@ async def running_runtime(config: RuntimeConfig) -> AsyncIterator[RunningRuntime
         config.state_dir,
         config.file.images.max_layer_bytes or DEFAULT_MAX_LAYER_BYTES,
     )
+    runtime.images = images
+    stale = await asyncio.to_thread(images.release_unknown, runtime.containers)
+    if stale:
+        log.info("released the image leases of %d containers that do not exist", len(stale))
     puller = Puller(
         images,
         config.file.registries,

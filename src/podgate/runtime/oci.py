@@ -33,6 +33,7 @@ from podgate.oci import adjust as adjust_mod
 from podgate.oci import bundle as bundle_mod
 from podgate.oci import cgroups, overlay, seccomp, spec, users
 from podgate.oci.runc import DEFAULT_RUNTIME, Runc, RuncError
+from podgate.runtime.sandbox import lifecycle as sandbox
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +202,9 @@ class OciContainers:
             namespace=pod.metadata.namespace,
             uid=pod.metadata.uid,
             hostname=pod.hostname,
-            ns_pid=pod.ns_process.pid if pod.ns_process else None,
+            # A sandboxed pod's containers join the guest's namespaces (the pod holder's
+            # are the host side of the sandbox).
+            ns_pid=sandbox.container_ns_pid(pod) if pod.ns_process else None,
             pid_mode=pod.pid_mode
             if pod.pid_mode is NamespaceMode.NODE
             else (NamespaceMode.POD if shared_pid else NamespaceMode.CONTAINER),

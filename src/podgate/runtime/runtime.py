@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import secrets
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from podgate import __version__
+from podgate.images.store import ImageStore
 from podgate.linux import holder as holder_mod
 from podgate.linux import shim as shim_mod
 from podgate.linux.proc import is_alive, read_json, signal_process
@@ -108,6 +110,9 @@ class Runtime:
         self.streaming: StreamingServer | None = None
         self.pod_cidr = ""
         self.nri: RuntimeNri | None = None  # NRI events (and pod networking) when enabled
+        # Where containers' images come from (`image.image` by name, digest or ID); None:
+        # only absolute paths (a root directory on the node) and image-less containers.
+        self.images: ImageStore | None = None
         self._locks: dict[str, asyncio.Lock] = {}
         # The last CPU reading per container: (ns since the epoch, CPU ns), for nano-cores.
         self._cpu_samples: dict[str, tuple[int, int]] = {}
@@ -363,12 +368,11 @@ class Runtime:
             raise FailedPreconditionError(f"pod sandbox {pod.id} is not ready")
         if not metadata.name:
             raise InvalidArgumentError("container metadata needs a name")
-        if not spec.rootfs and not spec.command and not spec.args:
+        from_store = bool(spec.image) and not spec.rootfs and self.images is not None
+        if not from_store and not spec.rootfs and not spec.command and not spec.args:
             raise InvalidArgumentError("container needs a command")
-        if spec.rootfs and sandbox.is_sandboxed(pod):
-            raise InvalidArgumentError(
-                f"runtime handler {pod.runtime_handler!r} does not run containers from a root yet"
-            )
+        if spec.run_as_username and not (spec.rootfs or from_store):
+            raise InvalidArgumentError("run_as_username needs a container root (an image)")
         if spec.tty and not spec.stdin and spec.stdin_once:
             raise InvalidArgumentError("stdin_once needs stdin")
         for other in self.pod_containers(pod.id):
@@ -378,6 +382,50 @@ class Runtime:
                     f"in pod {pod.id}: {other.id}"
                 )
         container_id = secrets.token_hex(32)
+        if from_store:
+            spec = await self._image_root(spec, container_id)
+        try:
+            return await self._create_container(
+                pod, container_id, metadata, spec, labels, annotations
+            )
+        except BaseException:
+            if from_store:
+                await asyncio.shield(self._release_image(container_id))
+            raise
+
+    async def _image_root(self, spec: ContainerSpec, container_id: str) -> ContainerSpec:
+        """The container's root from the image store: the image's snapshots, held for the
+        container (a lease named by its ID) until it is removed, and the image's config."""
+        assert self.images is not None
+        try:
+            found = await asyncio.to_thread(self.images.acquire, spec.image, container_id)
+        except FileNotFoundError as exc:  # a snapshot of the image is missing
+            raise NotFoundError(f'failed to resolve image "{spec.image}": {exc}') from exc
+        if found is None:
+            raise NotFoundError(f'failed to resolve image "{spec.image}": not found')
+        rec, lowers = found
+        return dataclasses.replace(
+            spec,
+            rootfs=[str(d) for d in lowers],
+            image_config=dict(rec.spec.get("config") or {}),
+            image_id=rec.id,
+            image_ref=rec.repo_digests[0] if rec.repo_digests else rec.id,
+            image_name=rec.repo_tags[0] if rec.repo_tags else spec.image,
+        )
+
+    async def _release_image(self, container_id: str) -> None:
+        if self.images is not None:
+            await asyncio.to_thread(self.images.release, container_id)
+
+    async def _create_container(
+        self,
+        pod: PodRecord,
+        container_id: str,
+        metadata: ContainerMetadata,
+        spec: ContainerSpec,
+        labels: Mapping[str, str],
+        annotations: Mapping[str, str],
+    ) -> str:
         log_file = ""
         if spec.log_path:
             log_file = secure_join(pod.log_directory, spec.log_path)
@@ -497,9 +545,8 @@ class Runtime:
         if container.state is not ContainerState.RUNNING or container.process is None:
             return
         process = container.process
-        if signal_process(process, signal.SIGTERM) and not await self._wait_exit(
-            container, timeout
-        ):
+        stop_signal = _stop_signal(container.spec.image_config.get("StopSignal"))
+        if signal_process(process, stop_signal) and not await self._wait_exit(container, timeout):
             signal_process(process, signal.SIGKILL)
         if not await self._wait_exit(container, KILL_WAIT_SECONDS):
             log.warning("container %s did not report its exit", container.id[:12])
@@ -531,6 +578,8 @@ class Runtime:
                 await asyncio.to_thread(
                     self.oci.remove, container, self.store.run_path(container.id)
                 )
+            if container.spec.image_id:
+                await self._release_image(container.id)
             # Log files are the caller's (the kubelet deletes them), as containerd leaves them.
             self.store.remove_run_path(container.id)
         pod = self.pods.get(container.pod_id)
@@ -856,6 +905,22 @@ async def _kill_exec(proc: asyncio.subprocess.Process) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     await proc.wait()
+
+
+def _stop_signal(name: object) -> signal.Signals:
+    """The image config's StopSignal ("SIGQUIT", "QUIT" or "3"), else SIGTERM (containerd)."""
+    text = str(name or "").strip().upper()
+    if not text:
+        return signal.SIGTERM
+    try:
+        return (
+            signal.Signals(int(text))
+            if text.isdigit()
+            else signal.Signals[text if text.startswith("SIG") else f"SIG{text}"]
+        )
+    except (KeyError, ValueError):
+        log.warning("image stop signal %r is not a signal; using SIGTERM", name)
+        return signal.SIGTERM
 
 
 def _check_stdio(tty: bool, stdin: bool, stdout: bool, stderr: bool) -> None:

@@ -1,9 +1,10 @@
 """Containers with a root run through runc: a real `podgate runtime` daemon, a busybox root.
 
-The image is a directory (Debian's busybox-static installed into it, plus /etc/passwd and
-/etc/group) passed as an absolute `image.image`, until the image store supplies lower
-directories. Every check runs inside the container through ExecSync (runc exec) or reads its
-log, and compares with what containerd gives (the shared docs, reference/images-and-oci.md).
+The root is a directory (Debian's busybox-static installed into it, plus /etc/passwd and
+/etc/group) passed as an absolute `image.image`: the node-directory form the runtime keeps
+beside images from its store (those are tested in test_runtime_images.py). Every check runs
+inside the container through ExecSync (runc exec) or reads its log, and compares with what
+containerd gives (the shared docs, reference/images-and-oci.md).
 """
 
 from __future__ import annotations
@@ -564,7 +565,7 @@ async def test_removal_leaves_no_mounts_or_runc_state(
     assert f"{pod_run}/shm" in mounts
     await pods.remove_all()
     mounts = Path("/proc/self/mountinfo").read_text()
-    assert container_run not in mounts and pod_run not in mounts
+    assert f"{container_run}/" not in mounts and f"{pod_run}/" not in mounts
     assert not (runc_root / cid).exists()
     assert Path(f"/sys/fs/cgroup/memory/podgate/{pod.id}").parent.is_dir()
     assert list(Path("/sys/fs/cgroup").glob(f"*/podgate/{pod.id}")) == []  # every hierarchy

@@ -191,7 +191,7 @@ def container_request(request: pb.CreateContainerRequest) -> ContainerRequest:
     require(config.metadata.name, "config.metadata.name")
     security = config.linux.security_context
     rootfs = _local_rootfs(config.image.image)
-    if security.run_as_username and not rootfs:
+    if security.run_as_username and not config.image.image:
         # Resolving a user name needs the image's /etc/passwd.
         raise InvalidArgumentError("run_as_username needs a container root (an image)")
     run_as_user = security.run_as_user.value if security.HasField("run_as_user") else None
@@ -374,25 +374,33 @@ def container_metadata(metadata: ContainerMetadata) -> pb.ContainerMetadata:
     return pb.ContainerMetadata(name=metadata.name, attempt=metadata.attempt)
 
 
+def image_identity(spec: ContainerSpec) -> tuple[str, str, str]:
+    """(image.image, image_ref, image_id) as containerd reports them: the image's first tag,
+    its first repo digest (else its ID), its ID. A container without an image from the
+    store has the reference it was created with, the best identity there is."""
+    if spec.image_id:
+        return spec.image_name or spec.image, spec.image_ref or spec.image_id, spec.image_id
+    return spec.image, spec.image, spec.image
+
+
 def container(record: ContainerRecord) -> pb.Container:
-    # No images: the reference the container was created with is the best identity there is.
-    image = record.spec.image
+    image, image_ref, image_id = image_identity(record.spec)
     return pb.Container(
         id=record.id,
         pod_sandbox_id=record.pod_id,
         metadata=container_metadata(record.metadata),
         image=pb.ImageSpec(image=image),
-        image_ref=image,
+        image_ref=image_ref,
         state=container_state(record.state),
         created_at=record.created_at,
         labels=record.labels,
         annotations=record.annotations,
-        image_id=image,
+        image_id=image_id,
     )
 
 
 def container_status(record: ContainerRecord) -> pb.ContainerStatus:
-    image = record.spec.image
+    image, image_ref, image_id = image_identity(record.spec)
     return pb.ContainerStatus(
         id=record.id,
         metadata=container_metadata(record.metadata),
@@ -402,14 +410,14 @@ def container_status(record: ContainerRecord) -> pb.ContainerStatus:
         finished_at=record.finished_at,
         exit_code=record.exit_code,
         image=pb.ImageSpec(image=image),
-        image_ref=image,
+        image_ref=image_ref,
         reason=record.reason,
         message=record.message,
         labels=record.labels,
         annotations=record.annotations,
         mounts=[mount_from_dict(mount) for mount in record.spec.mounts],
         log_path=record.log_file,
-        image_id=image,
+        image_id=image_id,
         resources=pb.ContainerResources(linux=_linux_resources(record.spec.resources))
         if record.spec.resources
         else None,

@@ -1,0 +1,49 @@
+"""`make bench`'s pod start part, bounded: both runtimes start pods from the same image."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# containerd, a podgate daemon, an image import and four pods on a loaded machine.
+BENCH_TIMEOUT_SECONDS = 300
+PODS = 2
+
+
+def test_podstart_part_starts_pods_in_both_runtimes(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root: containerd and the podgate runtime")
+    out = tmp_path / "results.json"
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "bench", "--no-throughput", "--conns", "0"),
+            *("--sessions", "0", "--skip-kubectl", "--skip-socat", "--no-runtime"),
+            *("--no-gateway", "--no-forward", "--no-images", "--no-proxy"),
+            *("--startup-runs", "0", "--podstart", "--podstart-pods", str(PODS)),
+            *("--runs", "1", "--json", str(out)),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=BENCH_TIMEOUT_SECONDS,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
+    section = json.loads(out.read_text())["podstart"]
+    assert sorted(r["tool"] for r in section["rows"]) == ["containerd"] * PODS + ["podgate"] * PODS
+    for row in section["rows"]:
+        assert row["error"] is None, row
+        assert row["seconds"] > 0 and row["sandbox"] and row["container"]
+    for tool in ("podgate", "containerd"):
+        memory = section["memory"][tool]
+        assert len(memory) == PODS
+        # Per pod: at least two live processes (a holder or pause, and a shim), each with PSS.
+        assert all(m["pids"] >= 2 and m["kib"] > 0 for m in memory), memory
+    assert "pod start" in done.stdout
+    assert "pod start" in (tmp_path / "results.md").read_text()

@@ -24,10 +24,17 @@ from collections.abc import Callable, Mapping
 from podgate.aio.errors import (
     BrokenStreamError,
     ClosedStreamError,
+    ConflictGuard,
     StreamError,
     StreamResetError,
 )
-from podgate.aio.streams import DEFAULT_RECEIVE_BYTES, Buffer, ByteStream, Wire
+from podgate.aio.streams import (
+    DEFAULT_RECEIVE_BYTES,
+    Buffer,
+    ByteStream,
+    Wire,
+    drain_unless_ended,
+)
 from podgate.proto.errors import ProtocolError
 from podgate.proto.spdy import (
     GoAwayStatus,
@@ -41,11 +48,14 @@ from podgate.proto.spdy.events import (
     Event,
     GoAwayReceived,
     PingAcknowledged,
+    PingReceived,
+    SettingsReceived,
     StreamAborted,
     StreamOpened,
     StreamReplied,
     StreamReset,
     WindowUpdated,
+    WindowUpdateReceived,
 )
 
 log = logging.getLogger(__name__)
@@ -67,6 +77,16 @@ CLOSE_DRAIN_SECONDS = 5.0
 # SPDY DATA payload size podgate sends: large frames cost less per byte, and kubectl's
 # framer accepts anything up to the 24-bit limit.
 SEND_DATA_FRAME_BYTES = 256 * 1024
+# Control frames that cost us work without carrying data (PING, SETTINGS, stray WINDOW_UPDATE,
+# RST_STREAM) a peer may send: a burst, refilled at a steady rate. client-go pings every 5 s
+# and resets each stream once; a peer far above this is flooding, and gets GOAWAY.
+CONTROL_FRAME_BURST = 2000
+CONTROL_FRAMES_PER_SECOND = 500.0
+# Streams one session may have open at once (a kubectl port-forward uses two per connection):
+# more are refused with RST_STREAM(REFUSED_STREAM), so one session cannot hold unbounded
+# upstream pairs.
+MAX_STREAMS_PER_SESSION = 256
+_CONTROL_EVENTS = (PingReceived, SettingsReceived, WindowUpdateReceived, StreamReset)
 
 
 class SpdyStream(ByteStream):
@@ -81,7 +101,12 @@ class SpdyStream(ByteStream):
         self._fin_received = False
         self._fin_sent = False
         self._reset: StreamResetError | None = None
+        # The connection was lost before the peer finished: raised once the data is read.
+        self._lost: BrokenStreamError | None = None
         self._closed = False
+        self._ended = asyncio.Event()  # closed, reset or lost: wakes a sender on a stalled wire
+        self._receiving = ConflictGuard("receiving")
+        self._sending = ConflictGuard("sending")
         self._readable = asyncio.Event()
         self._writable = asyncio.Event()
         self._writable.set()
@@ -110,15 +135,26 @@ class SpdyStream(ByteStream):
 
     # -- ByteStream
     async def receive(self, max_bytes: int = DEFAULT_RECEIVE_BYTES) -> bytes:
-        while not self._chunks:
+        with self._receiving:
+            return self._take(max_bytes) if self._chunks else await self._wait_chunk(max_bytes)
+
+    async def _wait_chunk(self, max_bytes: int) -> bytes:
+        while not self._chunks or self._closed:
+            if self._closed:
+                raise ClosedStreamError("stream is closed")
             if self._reset is not None:
                 raise self._reset
             if self._fin_received:
                 return b""
-            if self._closed:
-                raise ClosedStreamError("stream is closed")
+            if self._lost is not None:
+                raise self._lost
             self._readable.clear()
             await self._readable.wait()
+        return self._take(max_bytes)
+
+    def _take(self, max_bytes: int) -> bytes:
+        if self._closed:
+            raise ClosedStreamError("stream is closed")
         chunk = self._chunks.popleft()
         if len(chunk) > max_bytes:
             self._chunks.appendleft(chunk[max_bytes:])
@@ -152,6 +188,10 @@ class SpdyStream(ByteStream):
             session._flush()
 
     async def send(self, data: Buffer) -> None:
+        with self._sending:
+            await self._send(data)
+
+    async def _send(self, data: Buffer) -> None:
         self._check_writable()
         if not data:
             return
@@ -167,13 +207,21 @@ class SpdyStream(ByteStream):
             raise ClosedStreamError(str(exc)) from exc
         self.bytes_sent += len(data)
         session._flush()
-        await session._drain()
+        await self._drain()
+
+    async def _drain(self) -> None:
+        """The session's drain, ended early (with this stream's error) if the stream ends."""
+        if not await drain_unless_ended(self.session._drain(), self._ended):
+            self._check_writable()
+            raise ClosedStreamError("stream ended while sending")
 
     def _check_writable(self) -> None:
+        if self._closed:
+            raise ClosedStreamError("write on closed stream")
         if self._reset is not None:
             raise self._reset
-        if self._fin_sent or self._closed:
-            raise ClosedStreamError("write on closed stream")
+        if self._fin_sent:
+            raise ClosedStreamError("write after EOF")
 
     async def _send_windowed(self, view: memoryview) -> None:
         """Send as much as the stream's window allows, then wait for the peer to grant more."""
@@ -199,7 +247,7 @@ class SpdyStream(ByteStream):
                 raise ClosedStreamError(str(exc)) from exc
             self.bytes_sent += len(piece)
             session._flush()
-            await session._drain()
+            await self._drain()
 
     async def send_eof(self) -> None:
         if self._fin_sent or self._reset is not None or self._closed:
@@ -246,8 +294,10 @@ class SpdyStream(ByteStream):
             self._reset = error
         if error is None:
             self._closed = True
+            self._chunks.clear()
         elif not keep_data:
             self._chunks.clear()
+        self._ended.set()
         self._readable.set()
         self._writable.set()
         self._window_open.set()
@@ -299,6 +349,8 @@ class SpdySession:
         self.broken: BrokenStreamError | None = None
         self.goaway_received = False
         self.done = asyncio.Event()
+        self._control_tokens = float(CONTROL_FRAME_BURST)
+        self._control_stamp = self._loop.time()
 
     # -- lifecycle
     async def run(self) -> None:
@@ -320,11 +372,18 @@ class SpdySession:
                         self._flush()
                         reason = exc
                         break
+                    if not self._within_control_budget(events):
+                        reason = ProtocolError("control frame flood")
+                        self._refuse_flood()
+                        break
                     for event in events:
                         await self._dispatch(event)
                     self._flush()
                     if not data:
                         break
+                    # One busy session must not monopolise the loop: let others run between
+                    # reads even when its socket always has more.
+                    await asyncio.sleep(0)
         except TimeoutError:
             log.info("%s: idle for %.0f s, closing", self.name, self._idle_timeout or 0)
             reason = TimeoutError("idle timeout")
@@ -339,6 +398,29 @@ class SpdySession:
                 pinger.cancel()
             self._teardown(reason)
             self.done.set()
+
+    def _within_control_budget(self, events: list[Event]) -> bool:
+        """Charge this read's control frames to the session's token bucket."""
+        count = sum(1 for event in events if isinstance(event, _CONTROL_EVENTS))
+        if not count:
+            return True
+        now = self._loop.time()
+        self._control_tokens = min(
+            float(CONTROL_FRAME_BURST),
+            self._control_tokens + (now - self._control_stamp) * CONTROL_FRAMES_PER_SECOND,
+        )
+        self._control_stamp = now
+        self._control_tokens -= count
+        return self._control_tokens >= 0
+
+    def _refuse_flood(self) -> None:
+        """GOAWAY(PROTOCOL_ERROR) without the echoes this read queued, then the session ends."""
+        log.warning("%s: control frame flood from peer, closing with GOAWAY", self.name)
+        self._core.buffers_to_send()  # drop the PING echoes of the flood
+        self._reset_all()
+        with contextlib.suppress(ProtocolError, StreamError):
+            self._core.goaway(GoAwayStatus.PROTOCOL_ERROR)
+            self._flush()
 
     async def aclose(self) -> None:
         """Reset what is still open, say GOAWAY, close the wire (client-go's Close)."""
@@ -377,11 +459,16 @@ class SpdySession:
 
     async def ping(self, timeout: float = 10.0) -> float:
         """Round-trip time of one PING in seconds."""
+        if self.broken is not None:
+            raise self.broken
         ping_id = self._core.ping()
         waiter: asyncio.Future[None] = self._loop.create_future()
         self._ping_waiters[ping_id] = waiter
         start = self._loop.time()
         self._flush()
+        if self.broken is not None:  # the write failed: no answer can come
+            self._ping_waiters.pop(ping_id, None)
+            raise self.broken
         try:
             await asyncio.wait_for(waiter, timeout)
         finally:
@@ -396,6 +483,11 @@ class SpdySession:
                 await stream._feed(event.data, event.fin)
         elif isinstance(event, StreamOpened):
             stream = SpdyStream(self, event.stream_id, event.headers)
+            if len(self._streams) >= MAX_STREAMS_PER_SESSION:
+                log.warning("%s: refusing stream %d: too many open", self.name, event.stream_id)
+                self._streams[event.stream_id] = stream
+                stream.reset(RstStatus.REFUSED_STREAM)
+                return
             self._streams[event.stream_id] = stream
             if event.unidirectional:
                 stream._fin_sent = True
@@ -493,8 +585,14 @@ class SpdySession:
             if not waiter.done():
                 waiter.set_exception(self.broken)
         for stream in list(self._streams.values()):
-            # As spdystream: data already received stays readable, then readers see EOF.
-            stream._fin_received = True
+            # Data already received stays readable. Then, after the peer's GOAWAY, EOF (as
+            # spdystream); after a connection lost without one, a stream the peer had not
+            # finished raises the loss: a runtime that went away must not look like a clean end.
+            if self.goaway_received:
+                stream._fin_received = True
+            elif not stream._fin_received and stream._reset is None:
+                stream._lost = self.broken
+            stream._ended.set()
             stream._readable.set()
             stream._writable.set()
             stream._window_open.set()

@@ -150,6 +150,11 @@ class ChannelSession:
     def protocol(self) -> str:
         return self._core.protocol
 
+    @property
+    def can_close_channels(self) -> bool:
+        """Whether a channel's EOF can be signalled on its own (v5), not only by closing."""
+        return self._core.can_close_channels
+
     def stream(self, channel: int) -> ChannelStream:
         stream = self._channels.get(channel)
         if stream is None:

@@ -277,6 +277,11 @@ class GateStream(SessionHooks):
         if command:
             self._base["command"] = command
 
+    @property
+    def tenant(self) -> str:
+        """The user the stream is for: upstream sessions are kept apart per tenant."""
+        return self.who.user.name
+
     def negotiated(self, transport: str, protocol: str) -> None:
         kind = "websocket" if transport.startswith("websocket") else transport
         self._base["transport"] = f"{kind}:{protocol}" if protocol else kind

@@ -7,6 +7,7 @@ test wrote; the session under test is the asyncio driver every podgate server ru
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import socket
 from collections.abc import AsyncIterator
@@ -16,7 +17,9 @@ import pytest
 from podgate.aio.errors import BrokenStreamError, ClosedStreamError
 from podgate.aio.spdy import (
     CONTROL_FRAME_BURST,
+    MAX_QUEUED_BYTES_PER_STREAM,
     MAX_STREAMS_PER_SESSION,
+    STALLED_STREAM_RESET_SECONDS,
     SpdySession,
     SpdyStream,
 )
@@ -145,3 +148,34 @@ async def test_tunnel_closed_under_a_writer_is_a_stream_error_not_a_traceback() 
     with pytest.raises(BrokenStreamError):
         await session.ping(timeout=PROMPT_SECONDS)
     await peer.aclose()
+
+
+async def test_a_reader_that_never_reads_cannot_pin_the_session_after_the_peer_left() -> None:
+    """Without flow control a full stream parks the read loop; if nobody ever reads it, the
+    stream is reset after STALLED_STREAM_RESET_SECONDS and the loop reads on, so the peer's
+    leaving is seen and the session (its socket, its buffers) is released."""
+    a, b = socket.socketpair()
+    client_wire, server_wire = await SocketStream.from_socket(a), await SocketStream.from_socket(b)
+    accepted: list[SpdyStream] = []
+
+    def on_stream(stream: SpdyStream) -> None:
+        stream.accept()
+        accepted.append(stream)  # and never read
+
+    server = SpdySession(server_wire, Role.SERVER, on_stream=on_stream, idle_timeout=None)
+    client = SpdySession(client_wire, Role.CLIENT, idle_timeout=None)
+    async with asyncio.TaskGroup() as tg:
+        serving = tg.create_task(server.run())
+        tg.create_task(client.run())
+        stream = await client.open_stream({"streamtype": "data", "port": "80", "requestid": "0"})
+        sender = tg.create_task(stream.send(bytes(4 * MAX_QUEUED_BYTES_PER_STREAM)))
+        await asyncio.sleep(0.5)
+        assert not sender.done()  # held by backpressure, not buffered
+        sender.cancel()
+        client_wire.abort()  # the client leaves abruptly
+        async with asyncio.timeout(STALLED_STREAM_RESET_SECONDS + PROMPT_SECONDS):
+            await serving
+        await server.aclose()
+        await client.aclose()
+    assert server.stream_count == 0
+    assert accepted and accepted[0]._chunks == collections.deque()

@@ -68,6 +68,10 @@ MAX_QUEUED_BYTES_PER_STREAM = 2 * 1024 * 1024
 # With flow control, window is handed back once the application has read this fraction
 # (1/N) of it: few WINDOW_UPDATE frames, yet a reader that keeps up never lets the sender stall.
 WINDOW_UPDATE_DIVISOR = 2
+# Without flow control, how long a stream's full queue may go without one read before the
+# stream is reset (RST_STREAM CANCEL) so the session reads on: a reader that is merely slow
+# reads something well within it; one that is gone must not pin the session for ever.
+STALLED_STREAM_RESET_SECONDS = 5.0
 # client-go pings every 5 s on a direct SPDY connection (10 s inside the WebSocket tunnel).
 CLIENT_PING_INTERVAL_SECONDS = 5.0
 # Kubernetes' default streaming idle timeout (kubelet, containerd, CRI streaming server).
@@ -105,6 +109,8 @@ class SpdyStream(ByteStream):
         self._lost: BrokenStreamError | None = None
         self._closed = False
         self._ended = asyncio.Event()  # closed, reset or lost: wakes a sender on a stalled wire
+        self._last_read = 0.0  # loop time of the application's last read
+        self._full_since = 0.0  # loop time the queue last went over its budget
         self._receiving = ConflictGuard("receiving")
         self._sending = ConflictGuard("sending")
         self._readable = asyncio.Event()
@@ -155,6 +161,7 @@ class SpdyStream(ByteStream):
     def _take(self, max_bytes: int) -> bytes:
         if self._closed:
             raise ClosedStreamError("stream is closed")
+        self._last_read = self.session._loop.time()
         chunk = self._chunks.popleft()
         if len(chunk) > max_bytes:
             self._chunks.appendleft(chunk[max_bytes:])
@@ -278,6 +285,8 @@ class SpdyStream(ByteStream):
             self.bytes_received += len(data)
             # Under flow control the core already bounds what the peer may send.
             if self._queued > MAX_QUEUED_BYTES_PER_STREAM and not self.session._update_threshold:
+                if self._writable.is_set():
+                    self._full_since = self.session._loop.time()
                 self._writable.clear()
         if fin:
             self._fin_received = True
@@ -285,7 +294,30 @@ class SpdyStream(ByteStream):
                 self.session._forget(self.stream_id)
         self._readable.set()
         if not self._writable.is_set():
-            await self._writable.wait()
+            await self._wait_for_reader()
+
+    async def _wait_for_reader(self) -> None:
+        """Park the read loop (TCP backpressure) until the application reads this stream, but
+        not for a reader that makes no progress at all: after STALLED_STREAM_RESET_SECONDS
+        without a read the stream is reset and the session reads on. Otherwise a consumer that
+        is gone for good would pin the session, and with it everything the connection holds,
+        even after the peer left (a parked loop never sees the connection end)."""
+        while not self._writable.is_set():
+            quiet = self.session._loop.time() - max(self._last_read, self._full_since)
+            if quiet >= STALLED_STREAM_RESET_SECONDS:
+                log.warning(
+                    "%s: stream %d unread for %.0f s with %d bytes queued: reset",
+                    self.session.name,
+                    self.stream_id,
+                    quiet,
+                    self._queued,
+                )
+                self.reset(RstStatus.CANCEL)
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    self._writable.wait(), STALLED_STREAM_RESET_SECONDS - quiet
+                )
 
     def _finish(self, error: StreamResetError | None, *, keep_data: bool = False) -> None:
         """End the stream: closed by us (error None) or reset. Data the peer sent before its

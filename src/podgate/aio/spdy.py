@@ -315,9 +315,7 @@ class SpdyStream(ByteStream):
                 self.reset(RstStatus.CANCEL)
                 return
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(
-                    self._writable.wait(), STALLED_STREAM_RESET_SECONDS - quiet
-                )
+                await asyncio.wait_for(self._writable.wait(), STALLED_STREAM_RESET_SECONDS - quiet)
 
     def _finish(self, error: StreamResetError | None, *, keep_data: bool = False) -> None:
         """End the stream: closed by us (error None) or reset. Data the peer sent before its

@@ -57,6 +57,8 @@ SINK_PORT = 7001
 # of the response is the pod closing the connection.
 HTTP10_PORT = 7003
 HTTP10_BODY = b"podgate http/1.0 body\n"
+# 7004 accepts and never reads (a pod that stopped reading), holding each connection.
+STALL_PORT = 7004
 DATA_SERVER = """\
 import hashlib, os, signal, socket, threading
 signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
@@ -77,6 +79,9 @@ def http10(c):
             got += d
         body = HTTP10_BODY
         c.sendall(b"HTTP/1.0 200 OK\\r\\nContent-Type: text/plain\\r\\n\\r\\n" + body)
+def stall(c):
+    held.append(c)
+held = []
 def serve(port, handler):
     s = socket.create_server(("127.0.0.1", port))
     while True:
@@ -84,8 +89,10 @@ def serve(port, handler):
         threading.Thread(target=handler, args=(c,), daemon=True).start()
 threading.Thread(target=serve, args=(SINK_PORT, sink), daemon=True).start()
 threading.Thread(target=serve, args=(HTTP10_PORT, http10), daemon=True).start()
+threading.Thread(target=serve, args=(STALL_PORT, stall), daemon=True).start()
 serve(ECHO_PORT, echo)
 """.replace("SINK_PORT", str(SINK_PORT)).replace("ECHO_PORT", str(ECHO_PORT))
+DATA_SERVER = DATA_SERVER.replace("STALL_PORT", str(STALL_PORT))
 DATA_SERVER = DATA_SERVER.replace("HTTP10_PORT", str(HTTP10_PORT)).replace(
     "HTTP10_BODY", repr(HTTP10_BODY)
 )
@@ -124,7 +131,7 @@ def write_examples(directory: Path) -> None:
     pods: dict[str, dict[str, Any]] = {
         "data": {
             "name": "srv",
-            "ports": [ECHO_PORT, SINK_PORT, HTTP10_PORT],
+            "ports": [ECHO_PORT, SINK_PORT, HTTP10_PORT, STALL_PORT],
             "command": ["python3", "-c"],
         },
         "logger": {"name": "log", "command": ["sh", "-c", LOGGER_SCRIPT]},

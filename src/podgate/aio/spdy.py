@@ -86,10 +86,10 @@ SEND_DATA_FRAME_BYTES = 256 * 1024
 # and resets each stream once; a peer far above this is flooding, and gets GOAWAY.
 CONTROL_FRAME_BURST = 2000
 CONTROL_FRAMES_PER_SECOND = 500.0
-# Streams one session may have open at once (a kubectl port-forward uses two per connection):
-# more are refused with RST_STREAM(REFUSED_STREAM), so one session cannot hold unbounded
-# upstream pairs.
-MAX_STREAMS_PER_SESSION = 256
+# Streams one session may have open at once (a kubectl port-forward uses two per connection,
+# so 256 concurrent connections): more are refused with RST_STREAM(REFUSED_STREAM), so one
+# session cannot hold unbounded upstream pairs.
+MAX_STREAMS_PER_SESSION = 512
 _CONTROL_EVENTS = (PingReceived, SettingsReceived, WindowUpdateReceived, StreamReset)
 
 

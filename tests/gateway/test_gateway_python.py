@@ -164,3 +164,5 @@ def test_pod_close_reaches_the_python_client_websocket_v4_as_eof(
         print(f"python client v4: EOF {eof_after * 1000:.0f} ms after the answer")
     finally:
         pf.close()
+        if wait_closed(pf, 5.0):
+            pf.websocket.shutdown()

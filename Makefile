@@ -51,7 +51,7 @@ bench: deps
 # a bounded slice of the same targets (tests/fuzz/test_fuzz_slice.py).
 fuzz: deps
 	$(PY) -m pip install -q -e '.[test,fuzz]'
-	@dir=$$(mktemp -d); trap 'rm -rf "$$dir"' EXIT; \
+	@dir=$$(mktemp -d); trap 'rm -rf "$$dir"' EXIT; trap 'exit 1' INT TERM; \
 	for t in $$($(PY) tests/fuzz/run_atheris.py --list); do \
 	  echo "fuzz $$t: $(FUZZ_RUNS) inputs"; \
 	  if ! $(PY) tests/fuzz/run_atheris.py $$t "$$dir/$$t" -runs=$(FUZZ_RUNS) \

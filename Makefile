@@ -14,7 +14,11 @@ STATE_DIR ?= /var/lib/podgate
 # The test environment is pinned: a green run is reproducible.
 CONSTRAINTS := constraints.txt
 
-.PHONY: run test bench lint typecheck unit deps deps-run clean
+FUZZ_RUNS ?= 1000000
+# Seconds one input may take before libFuzzer calls it a hang.
+FUZZ_HANG_SECONDS ?= 10
+
+.PHONY: run test bench fuzz lint typecheck unit deps deps-run clean
 
 define install_debs
 	@missing=""; for p in $(1); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
@@ -58,6 +62,20 @@ run: deps-run
 
 bench: deps
 	$(PY) -m bench $(BENCH_ARGS)
+
+# Coverage-guided fuzzing (atheris) of every parser, FUZZ_RUNS inputs each; `make test` runs
+# a bounded slice of the same targets (tests/fuzz/test_fuzz_slice.py).
+fuzz: deps
+	$(PY) -m pip install -q -e '.[test,fuzz]'
+	@dir=$$(mktemp -d); trap 'rm -rf "$$dir"' EXIT; trap 'exit 1' INT TERM; \
+	for t in $$($(PY) tests/fuzz/run_atheris.py --list); do \
+	  echo "fuzz $$t: $(FUZZ_RUNS) inputs"; \
+	  if ! $(PY) tests/fuzz/run_atheris.py $$t "$$dir/$$t" -runs=$(FUZZ_RUNS) \
+	      -timeout=$(FUZZ_HANG_SECONDS) -rss_limit_mb=2048 -print_final_stats=1 \
+	      -artifact_prefix=fuzz-crash-$$t- > "$$dir/$$t.log" 2>&1; then \
+	    tail -40 "$$dir/$$t.log"; exit 1; fi; \
+	  grep -E "^Done|stat::number_of_executed_units" "$$dir/$$t.log"; \
+	done
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .mypy_cache .pytest_cache .ruff_cache

@@ -344,7 +344,7 @@ async def test_goaway_delivers_queued_data_then_eof_and_ignores_later_frames(
         await client.open_stream(HEADERS)
 
 
-async def test_connection_loss_delivers_received_data_then_eof(
+async def test_connection_loss_delivers_received_data_then_an_error(
     raw: tuple[SpdySession, RawPeer],
 ) -> None:
     client, peer = raw
@@ -358,8 +358,11 @@ async def test_connection_loss_delivers_received_data_then_eof(
     second = asyncio.create_task(client.open_stream({"streamtype": "error"}))
     await peer.read_until(StreamOpened)
     await peer.wire.aclose()  # TCP close, no GOAWAY
-    # As spdystream: what arrived is still read, then EOF; a pending open fails.
-    assert await asyncio.wait_for(receive_all(stream), PROMPT_SECONDS) == b"partial answer"
+    # What arrived is still read; then, unlike spdystream's EOF, the loss is an error (a
+    # runtime that went away must not look like a clean end); a pending open fails.
+    assert await asyncio.wait_for(stream.receive(), PROMPT_SECONDS) == b"partial answer"
+    with pytest.raises(BrokenStreamError):
+        await asyncio.wait_for(stream.receive(), PROMPT_SECONDS)
     with pytest.raises(BrokenStreamError):
         await asyncio.wait_for(second, PROMPT_SECONDS)
     await asyncio.wait_for(client.done.wait(), PROMPT_SECONDS)

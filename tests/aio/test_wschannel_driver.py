@@ -20,7 +20,7 @@ from wsproto.connection import Connection, ConnectionType
 from wsproto.events import BytesMessage, CloseConnection, TextMessage
 from wsproto.events import Event as WsEvent
 
-from podgate.aio.errors import StreamResetError
+from podgate.aio.errors import BrokenStreamError, StreamResetError
 from podgate.aio.spdy import SpdySession, SpdyStream
 from podgate.aio.streams import ByteStream, SocketStream
 from podgate.aio.wschannel import ChannelSession, TunnelWire
@@ -230,7 +230,9 @@ async def test_end_without_close_frame_is_1006() -> None:
         s.server_wire.abort()
         await asyncio.wait_for(s.client.done.wait(), PROMPT_SECONDS)
         assert s.client.close_code == ABNORMAL
-        assert await receive_all(stdout) == b""
+        # A connection lost without the close handshake is an error, not a clean end.
+        with pytest.raises(BrokenStreamError):
+            await receive_all(stdout)
     finally:
         await s.close()
 

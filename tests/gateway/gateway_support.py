@@ -53,6 +53,12 @@ STREAMING_LINE = re.compile(r"streaming on (\S+)")
 # with the sha256 hex digest of what it read. SIGTERM ends it at once when the pod is removed.
 ECHO_PORT = 7000
 SINK_PORT = 7001
+# 7003 answers one HTTP/1.0 request and closes, without waiting for the client's EOF: the end
+# of the response is the pod closing the connection.
+HTTP10_PORT = 7003
+HTTP10_BODY = b"podgate http/1.0 body\n"
+# 7004 accepts and never reads (a pod that stopped reading), holding each connection.
+STALL_PORT = 7004
 DATA_SERVER = """\
 import hashlib, os, signal, socket, threading
 signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
@@ -66,14 +72,30 @@ def sink(c):
         while d := c.recv(262144):
             h.update(d)
         c.sendall(h.hexdigest().encode())
+def http10(c):
+    with c:
+        got = b""
+        while b"\\r\\n\\r\\n" not in got and (d := c.recv(65536)):
+            got += d
+        body = HTTP10_BODY
+        c.sendall(b"HTTP/1.0 200 OK\\r\\nContent-Type: text/plain\\r\\n\\r\\n" + body)
+def stall(c):
+    held.append(c)
+held = []
 def serve(port, handler):
     s = socket.create_server(("127.0.0.1", port))
     while True:
         c, _ = s.accept()
         threading.Thread(target=handler, args=(c,), daemon=True).start()
 threading.Thread(target=serve, args=(SINK_PORT, sink), daemon=True).start()
+threading.Thread(target=serve, args=(HTTP10_PORT, http10), daemon=True).start()
+threading.Thread(target=serve, args=(STALL_PORT, stall), daemon=True).start()
 serve(ECHO_PORT, echo)
 """.replace("SINK_PORT", str(SINK_PORT)).replace("ECHO_PORT", str(ECHO_PORT))
+DATA_SERVER = DATA_SERVER.replace("STALL_PORT", str(STALL_PORT))
+DATA_SERVER = DATA_SERVER.replace("HTTP10_PORT", str(HTTP10_PORT)).replace(
+    "HTTP10_BODY", repr(HTTP10_BODY)
+)
 V6_ECHO_PORT = 7002
 # The same servers plus an echo bound only to ::1, for the sandboxed pod.
 SANDBOXED_DATA_SERVER = (
@@ -107,7 +129,11 @@ def write_examples(directory: Path) -> None:
     for name in ("hello", "shell"):
         shutil.copyfile(REPO / "examples" / f"{name}.json", directory / f"{name}.json")
     pods: dict[str, dict[str, Any]] = {
-        "data": {"name": "srv", "ports": [ECHO_PORT, SINK_PORT], "command": ["python3", "-c"]},
+        "data": {
+            "name": "srv",
+            "ports": [ECHO_PORT, SINK_PORT, HTTP10_PORT, STALL_PORT],
+            "command": ["python3", "-c"],
+        },
         "logger": {"name": "log", "command": ["sh", "-c", LOGGER_SCRIPT]},
         "data-sandboxed": {
             "name": "srv",

@@ -16,9 +16,10 @@ from typing import Any
 
 import pytest
 from e2e_support import exchange, sha256_hex
-from gateway_support import ECHO_PORT, Gateway, matching
+from gateway_support import ECHO_PORT, HTTP10_PORT, Gateway, matching
 from kubernetes import client, config
 from kubernetes.stream import portforward, stream
+from test_gateway_streams import EXPECTED, http10_exchange
 
 pytestmark = [pytest.mark.e2e, pytest.mark.privileged]
 
@@ -146,3 +147,22 @@ def test_portforward_echo(api: Any, gateway: Gateway) -> None:
     assert record["user"] == "admin" and record["auth"] == "x509"
     assert record["transport"].startswith("websocket:")
     assert record["bytes_in"] == record["bytes_out"] == len(data)
+
+
+def test_pod_close_reaches_the_python_client_websocket_v4_as_eof(
+    gateway: Gateway, api: Any
+) -> None:
+    pf = portforward(
+        api.connect_get_namespaced_pod_portforward, "data", "default", ports=str(HTTP10_PORT)
+    )
+    try:
+        sock = pf.socket(HTTP10_PORT)
+        answer, eof_after = http10_exchange(sock)
+        sock.close()
+        assert answer == EXPECTED
+        assert pf.error(HTTP10_PORT) is None
+        print(f"python client v4: EOF {eof_after * 1000:.0f} ms after the answer")
+    finally:
+        pf.close()
+        if wait_closed(pf, 5.0):
+            pf.websocket.shutdown()

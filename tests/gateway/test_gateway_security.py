@@ -329,11 +329,13 @@ def test_per_user_stream_cap(gateway: Gateway, admin_token: str) -> None:
     token = secrets.token_urlsafe(32)
     gateway.add_token(token, "busy", ["system:masters"])
     sleeper = exec_target("hello", ["sleep", str(CAP_SLEEP_SECONDS)])
+    # Spread over two pods: one user's streams on one pod have a lower cap of their own.
+    elsewhere = exec_target("shell", ["sleep", str(CAP_SLEEP_SECONDS)])
     credentials = WS_EXEC + bearer(token)
     mark = gateway.audit.mark()
     with open_connections(gateway, cap + 1) as conns:
-        for conn in conns[:cap]:
-            response = conn.exchange("GET", sleeper, credentials)
+        for i, conn in enumerate(conns[:cap]):
+            response = conn.exchange("GET", (sleeper, elsewhere)[i % 2], credentials)
             assert response is not None and response.status == 101, response
         refused = conns[cap].exchange("GET", sleeper, credentials)
         assert_gateway_status(refused, 429)

@@ -10,6 +10,7 @@ from podgate.proto.errors import LocalProtocolError
 from podgate.proto.k8s import StatusError
 from podgate.proto.portforward import (
     MAX_PENDING_PAIRS,
+    MAX_PORTS_PER_REQUEST,
     PORTFORWARD_PROTOCOL,
     STREAM_CREATION_TIMEOUT,
     Duplicate,
@@ -312,6 +313,16 @@ def test_websocket_layout() -> None:
 )
 def test_parse_ports(query: str, ports: tuple[int, ...]) -> None:
     assert parse_ports(parse_query(query)) == ports
+
+
+def test_parse_ports_bounds_the_list() -> None:
+    most = ",".join(str(1000 + i) for i in range(MAX_PORTS_PER_REQUEST))
+    assert len(parse_ports(parse_query(f"ports={most}"))) == MAX_PORTS_PER_REQUEST
+    with pytest.raises(StatusError, match="at most"):
+        parse_ports(parse_query(f"ports={most}&ports=9"))
+    # A huge list is refused without parsing all of it.
+    with pytest.raises(StatusError, match="at most"):
+        parse_ports(parse_query("ports=" + ",".join(["80"] * 100_000)))
 
 
 def test_parse_ports_kubelet_name() -> None:

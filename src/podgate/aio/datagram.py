@@ -19,7 +19,7 @@ import logging
 import socket
 from typing import Final
 
-from podgate.aio.errors import BrokenStreamError, ClosedStreamError
+from podgate.aio.errors import BrokenStreamError, ClosedStreamError, ConflictGuard
 from podgate.aio.streams import DEFAULT_RECEIVE_BYTES, Buffer, ByteStream
 from podgate.proto.datagram import (
     MAX_DATAGRAM_BYTES,
@@ -73,6 +73,9 @@ class DatagramStream(ByteStream):
         self._writer: asyncio.Future[None] | None = None
         self._eof = False
         self._closed = False
+        # One waiter per direction: the loop keeps one reader/writer callback per fd.
+        self._receiving = ConflictGuard("receiving")
+        self._sending = ConflictGuard("sending")
         self.label = label or f"udp fd {self._fd}"
         self.datagrams_sent = 0
         self.datagrams_received = 0
@@ -80,6 +83,10 @@ class DatagramStream(ByteStream):
 
     # -- ByteStream
     async def receive(self, max_bytes: int = DEFAULT_RECEIVE_BYTES) -> bytes:
+        with self._receiving:
+            return await self._receive(max_bytes)
+
+    async def _receive(self, max_bytes: int) -> bytes:
         while True:
             if self._closed:
                 raise ClosedStreamError("stream is closed")
@@ -97,8 +104,9 @@ class DatagramStream(ByteStream):
             raise ClosedStreamError("stream is closed")
         if self._eof:
             raise ClosedStreamError("send after the flow ended")
-        for datagram in self._decoder.feed(data):
-            await self._send_one(datagram)
+        with self._sending:
+            for datagram in self._decoder.feed(data):
+                await self._send_one(datagram)
 
     async def send_eof(self) -> None:
         """End the flow: nothing more goes out, and receive() returns b"" from now on."""

@@ -19,6 +19,10 @@ class BrokenStreamError(StreamError):
     """The peer went away abruptly (reset, connection lost)."""
 
 
+class BusyStreamError(StreamError):
+    """Two tasks received (or sent) on one stream at once: their bytes would interleave."""
+
+
 class StreamResetError(BrokenStreamError):
     """A multiplexed stream was reset by the peer; `status` is the protocol's code."""
 
@@ -38,6 +42,25 @@ class ConnectError(StreamError):
     def __init__(self, message: str, err: int | None = None) -> None:
         super().__init__(message)
         self.errno = err
+
+
+class ConflictGuard:
+    """Detects a second task entering receive() or send() while the first still waits (as
+    trio's ConflictDetector): interleaved reads or writes would corrupt the byte order."""
+
+    __slots__ = ("_busy", "_what")
+
+    def __init__(self, what: str) -> None:
+        self._what = what
+        self._busy = False
+
+    def __enter__(self) -> None:
+        if self._busy:
+            raise BusyStreamError(f"another task is already {self._what} on this stream")
+        self._busy = True
+
+    def __exit__(self, *exc: object) -> None:
+        self._busy = False
 
 
 _BROKEN = {errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED, errno.ESHUTDOWN}

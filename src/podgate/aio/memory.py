@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import collections
 
-from podgate.aio.errors import BrokenStreamError, ClosedStreamError
+from podgate.aio.errors import BrokenStreamError, ClosedStreamError, ConflictGuard
 from podgate.aio.streams import DEFAULT_RECEIVE_BYTES, Buffer, ByteStream
 
 # Bytes one direction may hold before send() waits: small enough to exercise backpressure.
@@ -73,16 +73,30 @@ class MemoryStream(ByteStream):
         self._in = inbound
         self._out = outbound
         self._closed = False
+        self._receiving = ConflictGuard("receiving")
+        self._sending = ConflictGuard("sending")
 
     async def receive(self, max_bytes: int = DEFAULT_RECEIVE_BYTES) -> bytes:
-        if self._closed:
-            raise ClosedStreamError("stream is closed")
-        return await self._in.get(max_bytes)
+        with self._receiving:
+            try:
+                if self._closed:
+                    raise ClosedStreamError("stream is closed")
+                return await self._in.get(max_bytes)
+            except BrokenStreamError:
+                if self._closed:  # woken by our own aclose()
+                    raise ClosedStreamError("stream is closed") from None
+                raise
 
     async def send(self, data: Buffer) -> None:
-        if self._closed:
-            raise ClosedStreamError("stream is closed")
-        await self._out.put(bytes(data))
+        with self._sending:
+            if self._closed:
+                raise ClosedStreamError("stream is closed")
+            try:
+                await self._out.put(bytes(data))
+            except BrokenStreamError:
+                if self._closed:
+                    raise ClosedStreamError("stream is closed") from None
+                raise
 
     async def send_eof(self) -> None:
         if not self._closed:

@@ -24,10 +24,17 @@ from collections.abc import Callable, Mapping
 from podgate.aio.errors import (
     BrokenStreamError,
     ClosedStreamError,
+    ConflictGuard,
     StreamError,
     StreamResetError,
 )
-from podgate.aio.streams import DEFAULT_RECEIVE_BYTES, Buffer, ByteStream, Wire
+from podgate.aio.streams import (
+    DEFAULT_RECEIVE_BYTES,
+    Buffer,
+    ByteStream,
+    Wire,
+    drain_unless_ended,
+)
 from podgate.proto.errors import ProtocolError
 from podgate.proto.spdy import (
     GoAwayStatus,
@@ -41,11 +48,14 @@ from podgate.proto.spdy.events import (
     Event,
     GoAwayReceived,
     PingAcknowledged,
+    PingReceived,
+    SettingsReceived,
     StreamAborted,
     StreamOpened,
     StreamReplied,
     StreamReset,
     WindowUpdated,
+    WindowUpdateReceived,
 )
 
 log = logging.getLogger(__name__)
@@ -58,6 +68,10 @@ MAX_QUEUED_BYTES_PER_STREAM = 2 * 1024 * 1024
 # With flow control, window is handed back once the application has read this fraction
 # (1/N) of it: few WINDOW_UPDATE frames, yet a reader that keeps up never lets the sender stall.
 WINDOW_UPDATE_DIVISOR = 2
+# Without flow control, how long a stream's full queue may go without one read before the
+# stream is reset (RST_STREAM CANCEL) so the session reads on: a reader that is merely slow
+# reads something well within it; one that is gone must not pin the session for ever.
+STALLED_STREAM_RESET_SECONDS = 5.0
 # client-go pings every 5 s on a direct SPDY connection (10 s inside the WebSocket tunnel).
 CLIENT_PING_INTERVAL_SECONDS = 5.0
 # Kubernetes' default streaming idle timeout (kubelet, containerd, CRI streaming server).
@@ -67,6 +81,16 @@ CLOSE_DRAIN_SECONDS = 5.0
 # SPDY DATA payload size podgate sends: large frames cost less per byte, and kubectl's
 # framer accepts anything up to the 24-bit limit.
 SEND_DATA_FRAME_BYTES = 256 * 1024
+# Control frames that cost us work without carrying data (PING, SETTINGS, stray WINDOW_UPDATE,
+# RST_STREAM) a peer may send: a burst, refilled at a steady rate. client-go pings every 5 s
+# and resets each stream once; a peer far above this is flooding, and gets GOAWAY.
+CONTROL_FRAME_BURST = 2000
+CONTROL_FRAMES_PER_SECOND = 500.0
+# Streams one session may have open at once (a kubectl port-forward uses two per connection,
+# so 256 concurrent connections): more are refused with RST_STREAM(REFUSED_STREAM), so one
+# session cannot hold unbounded upstream pairs.
+MAX_STREAMS_PER_SESSION = 512
+_CONTROL_EVENTS = (PingReceived, SettingsReceived, WindowUpdateReceived, StreamReset)
 
 
 class SpdyStream(ByteStream):
@@ -81,7 +105,14 @@ class SpdyStream(ByteStream):
         self._fin_received = False
         self._fin_sent = False
         self._reset: StreamResetError | None = None
+        # The connection was lost before the peer finished: raised once the data is read.
+        self._lost: BrokenStreamError | None = None
         self._closed = False
+        self._ended = asyncio.Event()  # closed, reset or lost: wakes a sender on a stalled wire
+        self._last_read = 0.0  # loop time of the application's last read
+        self._full_since = 0.0  # loop time the queue last went over its budget
+        self._receiving = ConflictGuard("receiving")
+        self._sending = ConflictGuard("sending")
         self._readable = asyncio.Event()
         self._writable = asyncio.Event()
         self._writable.set()
@@ -110,15 +141,27 @@ class SpdyStream(ByteStream):
 
     # -- ByteStream
     async def receive(self, max_bytes: int = DEFAULT_RECEIVE_BYTES) -> bytes:
-        while not self._chunks:
+        with self._receiving:
+            return self._take(max_bytes) if self._chunks else await self._wait_chunk(max_bytes)
+
+    async def _wait_chunk(self, max_bytes: int) -> bytes:
+        while not self._chunks or self._closed:
+            if self._closed:
+                raise ClosedStreamError("stream is closed")
             if self._reset is not None:
                 raise self._reset
             if self._fin_received:
                 return b""
-            if self._closed:
-                raise ClosedStreamError("stream is closed")
+            if self._lost is not None:
+                raise self._lost
             self._readable.clear()
             await self._readable.wait()
+        return self._take(max_bytes)
+
+    def _take(self, max_bytes: int) -> bytes:
+        if self._closed:
+            raise ClosedStreamError("stream is closed")
+        self._last_read = self.session._loop.time()
         chunk = self._chunks.popleft()
         if len(chunk) > max_bytes:
             self._chunks.appendleft(chunk[max_bytes:])
@@ -152,6 +195,10 @@ class SpdyStream(ByteStream):
             session._flush()
 
     async def send(self, data: Buffer) -> None:
+        with self._sending:
+            await self._send(data)
+
+    async def _send(self, data: Buffer) -> None:
         self._check_writable()
         if not data:
             return
@@ -167,13 +214,21 @@ class SpdyStream(ByteStream):
             raise ClosedStreamError(str(exc)) from exc
         self.bytes_sent += len(data)
         session._flush()
-        await session._drain()
+        await self._drain()
+
+    async def _drain(self) -> None:
+        """The session's drain, ended early (with this stream's error) if the stream ends."""
+        if not await drain_unless_ended(self.session._drain(), self._ended):
+            self._check_writable()
+            raise ClosedStreamError("stream ended while sending")
 
     def _check_writable(self) -> None:
+        if self._closed:
+            raise ClosedStreamError("write on closed stream")
         if self._reset is not None:
             raise self._reset
-        if self._fin_sent or self._closed:
-            raise ClosedStreamError("write on closed stream")
+        if self._fin_sent:
+            raise ClosedStreamError("write after EOF")
 
     async def _send_windowed(self, view: memoryview) -> None:
         """Send as much as the stream's window allows, then wait for the peer to grant more."""
@@ -199,7 +254,7 @@ class SpdyStream(ByteStream):
                 raise ClosedStreamError(str(exc)) from exc
             self.bytes_sent += len(piece)
             session._flush()
-            await session._drain()
+            await self._drain()
 
     async def send_eof(self) -> None:
         if self._fin_sent or self._reset is not None or self._closed:
@@ -230,6 +285,8 @@ class SpdyStream(ByteStream):
             self.bytes_received += len(data)
             # Under flow control the core already bounds what the peer may send.
             if self._queued > MAX_QUEUED_BYTES_PER_STREAM and not self.session._update_threshold:
+                if self._writable.is_set():
+                    self._full_since = self.session._loop.time()
                 self._writable.clear()
         if fin:
             self._fin_received = True
@@ -237,7 +294,28 @@ class SpdyStream(ByteStream):
                 self.session._forget(self.stream_id)
         self._readable.set()
         if not self._writable.is_set():
-            await self._writable.wait()
+            await self._wait_for_reader()
+
+    async def _wait_for_reader(self) -> None:
+        """Park the read loop (TCP backpressure) until the application reads this stream, but
+        not for a reader that makes no progress at all: after STALLED_STREAM_RESET_SECONDS
+        without a read the stream is reset and the session reads on. Otherwise a consumer that
+        is gone for good would pin the session, and with it everything the connection holds,
+        even after the peer left (a parked loop never sees the connection end)."""
+        while not self._writable.is_set():
+            quiet = self.session._loop.time() - max(self._last_read, self._full_since)
+            if quiet >= STALLED_STREAM_RESET_SECONDS:
+                log.warning(
+                    "%s: stream %d unread for %.0f s with %d bytes queued: reset",
+                    self.session.name,
+                    self.stream_id,
+                    quiet,
+                    self._queued,
+                )
+                self.reset(RstStatus.CANCEL)
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._writable.wait(), STALLED_STREAM_RESET_SECONDS - quiet)
 
     def _finish(self, error: StreamResetError | None, *, keep_data: bool = False) -> None:
         """End the stream: closed by us (error None) or reset. Data the peer sent before its
@@ -246,8 +324,10 @@ class SpdyStream(ByteStream):
             self._reset = error
         if error is None:
             self._closed = True
+            self._chunks.clear()
         elif not keep_data:
             self._chunks.clear()
+        self._ended.set()
         self._readable.set()
         self._writable.set()
         self._window_open.set()
@@ -299,6 +379,8 @@ class SpdySession:
         self.broken: BrokenStreamError | None = None
         self.goaway_received = False
         self.done = asyncio.Event()
+        self._control_tokens = float(CONTROL_FRAME_BURST)
+        self._control_stamp = self._loop.time()
 
     # -- lifecycle
     async def run(self) -> None:
@@ -320,11 +402,18 @@ class SpdySession:
                         self._flush()
                         reason = exc
                         break
+                    if not self._within_control_budget(events):
+                        reason = ProtocolError("control frame flood")
+                        self._refuse_flood()
+                        break
                     for event in events:
                         await self._dispatch(event)
                     self._flush()
                     if not data:
                         break
+                    # One busy session must not monopolise the loop: let others run between
+                    # reads even when its socket always has more.
+                    await asyncio.sleep(0)
         except TimeoutError:
             log.info("%s: idle for %.0f s, closing", self.name, self._idle_timeout or 0)
             reason = TimeoutError("idle timeout")
@@ -339,6 +428,29 @@ class SpdySession:
                 pinger.cancel()
             self._teardown(reason)
             self.done.set()
+
+    def _within_control_budget(self, events: list[Event]) -> bool:
+        """Charge this read's control frames to the session's token bucket."""
+        count = sum(1 for event in events if isinstance(event, _CONTROL_EVENTS))
+        if not count:
+            return True
+        now = self._loop.time()
+        self._control_tokens = min(
+            float(CONTROL_FRAME_BURST),
+            self._control_tokens + (now - self._control_stamp) * CONTROL_FRAMES_PER_SECOND,
+        )
+        self._control_stamp = now
+        self._control_tokens -= count
+        return self._control_tokens >= 0
+
+    def _refuse_flood(self) -> None:
+        """GOAWAY(PROTOCOL_ERROR) without the echoes this read queued, then the session ends."""
+        log.warning("%s: control frame flood from peer, closing with GOAWAY", self.name)
+        self._core.buffers_to_send()  # drop the PING echoes of the flood
+        self._reset_all()
+        with contextlib.suppress(ProtocolError, StreamError):
+            self._core.goaway(GoAwayStatus.PROTOCOL_ERROR)
+            self._flush()
 
     async def aclose(self) -> None:
         """Reset what is still open, say GOAWAY, close the wire (client-go's Close)."""
@@ -377,11 +489,16 @@ class SpdySession:
 
     async def ping(self, timeout: float = 10.0) -> float:
         """Round-trip time of one PING in seconds."""
+        if self.broken is not None:
+            raise self.broken
         ping_id = self._core.ping()
         waiter: asyncio.Future[None] = self._loop.create_future()
         self._ping_waiters[ping_id] = waiter
         start = self._loop.time()
         self._flush()
+        if self.broken is not None:  # the write failed: no answer can come
+            self._ping_waiters.pop(ping_id, None)
+            raise self.broken
         try:
             await asyncio.wait_for(waiter, timeout)
         finally:
@@ -396,6 +513,11 @@ class SpdySession:
                 await stream._feed(event.data, event.fin)
         elif isinstance(event, StreamOpened):
             stream = SpdyStream(self, event.stream_id, event.headers)
+            if len(self._streams) >= MAX_STREAMS_PER_SESSION:
+                log.warning("%s: refusing stream %d: too many open", self.name, event.stream_id)
+                self._streams[event.stream_id] = stream
+                stream.reset(RstStatus.REFUSED_STREAM)
+                return
             self._streams[event.stream_id] = stream
             if event.unidirectional:
                 stream._fin_sent = True
@@ -493,8 +615,14 @@ class SpdySession:
             if not waiter.done():
                 waiter.set_exception(self.broken)
         for stream in list(self._streams.values()):
-            # As spdystream: data already received stays readable, then readers see EOF.
-            stream._fin_received = True
+            # Data already received stays readable. Then, after the peer's GOAWAY, EOF (as
+            # spdystream); after a connection lost without one, a stream the peer had not
+            # finished raises the loss: a runtime that went away must not look like a clean end.
+            if self.goaway_received:
+                stream._fin_received = True
+            elif not stream._fin_received and stream._reset is None:
+                stream._lost = self.broken
+            stream._ended.set()
             stream._readable.set()
             stream._writable.set()
             stream._window_open.set()

@@ -22,7 +22,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Protocol, cast
 
-from podgate.aio.errors import BrokenStreamError, ClosedStreamError, map_os_errors
+from podgate.aio.errors import (
+    BrokenStreamError,
+    ClosedStreamError,
+    ConflictGuard,
+    map_os_errors,
+)
 
 # Largest chunk handed out by one receive(): bigger reads cost fewer wake-ups per byte.
 DEFAULT_RECEIVE_BYTES = 256 * 1024
@@ -31,6 +36,9 @@ RECEIVE_HIGH_WATER = 1024 * 1024
 # Bytes the kernel send path may queue in the transport before writers wait.
 SEND_HIGH_WATER = 1024 * 1024
 SEND_LOW_WATER = 256 * 1024
+# How long aclose() lets the transport flush what completed sends left queued before it
+# aborts: a peer that stopped reading must not keep the socket (and its buffer) forever.
+CLOSE_FLUSH_SECONDS = 2.0
 
 Buffer = bytes | bytearray | memoryview
 _Handler = Callable[["SocketStream"], Awaitable[None]]
@@ -62,6 +70,28 @@ class ByteStream(ABC):
         await self.aclose()
 
 
+async def drain_unless_ended(drain: Awaitable[None], ended: asyncio.Event) -> bool:
+    """Wait for a shared wire's drain, or until `ended` is set; True if the drain completed.
+
+    One stream of a multiplexed session must not keep its sender waiting on the session's
+    stalled wire once that stream was closed or reset."""
+    waiter = asyncio.ensure_future(drain)
+    if not waiter.done():
+        ender = asyncio.ensure_future(ended.wait())
+        try:
+            await asyncio.wait({waiter, ender}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ender.cancel()
+            if not waiter.done():
+                waiter.cancel()
+                # Reap it: a drain cancelled here must not log "exception never retrieved".
+                await asyncio.gather(waiter, return_exceptions=True)
+        if waiter.cancelled():
+            return False
+    waiter.result()
+    return True
+
+
 class Wire(Protocol):
     """What a protocol driver needs below it: ordered synchronous writes, a drain, reads."""
 
@@ -90,6 +120,8 @@ class _StreamProtocol(asyncio.Protocol):
         # Several writers (the streams of one SPDY session) may wait on one transport at once.
         self._drain_waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self._writing_paused = False
+        # Closed by our side: waiting readers and writers end with ClosedStreamError.
+        self.local_closed = False
         self.closed = asyncio.get_running_loop().create_future()
 
     # -- asyncio callbacks
@@ -135,12 +167,19 @@ class _StreamProtocol(asyncio.Protocol):
             if not waiter.done():
                 waiter.set_result(None)
 
+    def close_locally(self) -> None:
+        self.local_closed = True
+        self._wake_reader()
+        self._wake_writers()
+
     def _wake_reader(self) -> None:
         if self._data_waiter is not None and not self._data_waiter.done():
             self._data_waiter.set_result(None)
 
     async def read(self, max_bytes: int) -> bytes:
-        while not self._chunks:
+        while not self._chunks or self.local_closed:
+            if self.local_closed:
+                raise ClosedStreamError("stream is closed")
             if self._eof:
                 if self._error is not None:
                     raise BrokenStreamError(str(self._error)) from self._error
@@ -192,6 +231,8 @@ class _StreamProtocol(asyncio.Protocol):
             await waiter
         finally:
             self._drain_waiters.remove(waiter)
+        if self.local_closed:
+            raise ClosedStreamError("stream closed while sending")
         if self._error is not None:
             raise BrokenStreamError(str(self._error))
 
@@ -206,6 +247,11 @@ class SocketStream(ByteStream):
         self._eof_sent = False
         self._closed = False
         self._handed_over = False  # to a kernel splice: a duplicate fd shares the socket
+        self._receiving = ConflictGuard("receiving")
+        self._sending = ConflictGuard("sending")
+        # A send() was interrupted (cancelled or failed) with its bytes still queued: the
+        # byte stream is torn, so aclose() aborts instead of flushing.
+        self._send_torn = False
 
     # -- constructors
     @classmethod
@@ -267,11 +313,15 @@ class SocketStream(ByteStream):
     async def receive(self, max_bytes: int = DEFAULT_RECEIVE_BYTES) -> bytes:
         if self._closed:
             raise ClosedStreamError("stream is closed")
-        return await self._protocol.read(max_bytes)
+        with self._receiving:
+            return await self._protocol.read(max_bytes)
 
     async def send(self, data: Buffer) -> None:
-        self.write(data)
-        await self.drain()
+        with self._sending:
+            self._send_torn = True
+            self.write(data)
+            await self.drain()
+            self._send_torn = False
 
     async def send_eof(self) -> None:
         if self._eof_sent or self._closed:
@@ -288,13 +338,23 @@ class SocketStream(ByteStream):
             return
         self._closed = True
         self._end_hand_over()
-        self.transport.close()
-        await asyncio.shield(self._protocol.closed)
+        self._protocol.close_locally()
+        if self._send_torn:
+            self.transport.abort()
+        else:
+            self.transport.close()
+        try:
+            async with asyncio.timeout(CLOSE_FLUSH_SECONDS):
+                await asyncio.shield(self._protocol.closed)
+        except TimeoutError:
+            self.transport.abort()
+            await asyncio.shield(self._protocol.closed)
 
     def abort(self) -> None:
         """Close at once, discarding unsent data (a reset for TCP peers)."""
         self._closed = True
         self._end_hand_over()
+        self._protocol.close_locally()
         self.transport.abort()
 
     def _end_hand_over(self) -> None:

@@ -8,13 +8,20 @@ import contextlib
 import logging
 from collections.abc import Iterable
 
-from podgate.aio.errors import BrokenStreamError, ClosedStreamError, StreamError
-from podgate.aio.streams import DEFAULT_RECEIVE_BYTES, Buffer, ByteStream, SocketStream
+from podgate.aio.errors import BrokenStreamError, ClosedStreamError, ConflictGuard, StreamError
+from podgate.aio.streams import (
+    DEFAULT_RECEIVE_BYTES,
+    Buffer,
+    ByteStream,
+    SocketStream,
+    drain_unless_ended,
+)
 from podgate.proto.errors import ProtocolError
 from podgate.proto.wschannel import (
     ChannelClosed,
     ChannelConnection,
     ChannelData,
+    CloseCode,
     CloseReceived,
     TunnelConnection,
     TunnelData,
@@ -43,18 +50,26 @@ class ChannelStream(ByteStream):
         self._eof = False
         self._eof_sent = False
         self._closed = False
+        # The connection was lost without a close handshake: raised once the data is read.
+        self._lost: BrokenStreamError | None = None
+        self._ended = asyncio.Event()  # closed by us: wakes a sender on a stalled socket
+        self._receiving = ConflictGuard("receiving")
+        self._sending = ConflictGuard("sending")
         self._readable = asyncio.Event()
         self._writable = asyncio.Event()
         self._writable.set()
 
     async def receive(self, max_bytes: int = DEFAULT_RECEIVE_BYTES) -> bytes:
-        while not self._chunks:
-            if self._eof:
-                return b""
-            if self._closed:
-                raise ClosedStreamError("channel is closed")
-            self._readable.clear()
-            await self._readable.wait()
+        with self._receiving:
+            while not self._chunks or self._closed:
+                if self._closed:
+                    raise ClosedStreamError("channel is closed")
+                if self._eof:
+                    if self._lost is not None:
+                        raise self._lost
+                    return b""
+                self._readable.clear()
+                await self._readable.wait()
         chunk = self._chunks.popleft()
         if len(chunk) > max_bytes:
             self._chunks.appendleft(chunk[max_bytes:])
@@ -65,12 +80,14 @@ class ChannelStream(ByteStream):
         return chunk
 
     async def send(self, data: Buffer) -> None:
-        if self._eof_sent or self._closed:
-            raise ClosedStreamError("write on closed channel")
-        view = memoryview(data)
-        for start in range(0, len(view), SEND_MESSAGE_BYTES):
-            self.session.send_nowait(self.channel, view[start : start + SEND_MESSAGE_BYTES])
-            await self.session.drain()
+        with self._sending:
+            view = memoryview(data).cast("B")
+            for start in range(0, len(view), SEND_MESSAGE_BYTES):
+                if self._eof_sent or self._closed:
+                    raise ClosedStreamError("write on closed channel")
+                self.session.send_nowait(self.channel, view[start : start + SEND_MESSAGE_BYTES])
+                if not await drain_unless_ended(self.session.drain(), self._ended):
+                    raise ClosedStreamError("channel closed while sending")
 
     async def send_eof(self) -> None:
         """v5 clients signal it with a CLOSE message; elsewhere the channel just goes quiet."""
@@ -84,6 +101,7 @@ class ChannelStream(ByteStream):
     async def aclose(self) -> None:
         self._closed = True
         self._chunks.clear()
+        self._ended.set()
         self._readable.set()
         self._writable.set()
 
@@ -97,7 +115,9 @@ class ChannelStream(ByteStream):
             self._writable.clear()
             await self._writable.wait()
 
-    def _end(self) -> None:
+    def _end(self, lost: BrokenStreamError | None = None) -> None:
+        if not self._eof:
+            self._lost = lost
         self._eof = True
         self._readable.set()
 
@@ -129,6 +149,11 @@ class ChannelSession:
     @property
     def protocol(self) -> str:
         return self._core.protocol
+
+    @property
+    def can_close_channels(self) -> bool:
+        """Whether a channel's EOF can be signalled on its own (v5), not only by closing."""
+        return self._core.can_close_channels
 
     def stream(self, channel: int) -> ChannelStream:
         stream = self._channels.get(channel)
@@ -177,8 +202,12 @@ class ChannelSession:
         except StreamError as exc:
             self.broken = BrokenStreamError(str(exc))
         finally:
+            # Without the peer's close frame the connection was lost, not finished.
+            lost = None
+            if self.close_code in (None, CloseCode.ABNORMAL):
+                lost = self.broken or BrokenStreamError(f"{self.name}: connection lost")
             for stream in self._channels.values():
-                stream._end()
+                stream._end(lost)
             self.done.set()
 
     def send_nowait(self, channel: int, data: Buffer) -> None:
@@ -217,14 +246,18 @@ class ChannelSession:
     async def aclose(self, code: int = 1000, reason: str = "") -> None:
         """Send a close frame (1000 is what kubectl needs to see EOF), then drop the socket."""
         if self.broken is None and self.close_code is None:
-            with contextlib.suppress(ProtocolError, StreamError):
-                self._core.close(code, reason)
-                self._flush()
-                await self._wire.drain()
-                await self._wire.send_eof()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.done.wait(), CLOSE_HANDSHAKE_SECONDS)
+            # Bounded as a whole: a peer that stopped reading must not keep the socket.
+            with contextlib.suppress(ProtocolError, StreamError, TimeoutError):
+                async with asyncio.timeout(CLOSE_HANDSHAKE_SECONDS):
+                    self._core.close(code, reason)
+                    self._flush()
+                    await self._wire.drain()
+                    await self._wire.send_eof()
+                    await self.done.wait()
         await self._wire.aclose()
+        # A read loop parked on a full channel must see the closed wire now.
+        for stream in self._channels.values():
+            stream._writable.set()
 
 
 class TunnelWire:
@@ -236,12 +269,14 @@ class TunnelWire:
         self._closed = False
 
     def write(self, data: Buffer) -> None:
-        self._core.send(data)
-        self._wire.writelines(self._core.buffers_to_send())
+        self.writelines((data,))
 
     def writelines(self, data: Iterable[Buffer]) -> None:
         # One message per batch: message boundaries mean nothing inside the tunnel.
-        self._core.send_buffers(data)
+        try:
+            self._core.send_buffers(data)
+        except ProtocolError as exc:  # the WebSocket is closing or closed
+            raise ClosedStreamError(f"websocket tunnel closed: {exc}") from exc
         self._wire.writelines(self._core.buffers_to_send())
 
     async def drain(self) -> None:
@@ -268,8 +303,9 @@ class TunnelWire:
         if self._closed:
             return
         self._closed = True
-        with contextlib.suppress(ProtocolError, StreamError):
-            self._core.close(1000)
-            self._wire.writelines(self._core.buffers_to_send())
-            await self._wire.drain()
+        with contextlib.suppress(ProtocolError, StreamError, TimeoutError):
+            async with asyncio.timeout(CLOSE_HANDSHAKE_SECONDS):
+                self._core.close(1000)
+                self._wire.writelines(self._core.buffers_to_send())
+                await self._wire.drain()
         await self._wire.aclose()

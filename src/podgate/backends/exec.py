@@ -16,12 +16,12 @@ import contextlib
 import os
 import signal
 import sys
-from collections.abc import Sequence
-from typing import Final, Protocol
+from collections.abc import Coroutine, Sequence
+from typing import Final, Protocol, TypeVar
 
-from podgate.aio.errors import ForwardError
+from podgate.aio.errors import ClosedStreamError, ConflictGuard, ForwardError
 from podgate.aio.splice import HALF_CLOSE_GRACE_SECONDS
-from podgate.aio.streams import DEFAULT_RECEIVE_BYTES, Buffer, ByteStream
+from podgate.aio.streams import CLOSE_FLUSH_SECONDS, DEFAULT_RECEIVE_BYTES, Buffer, ByteStream
 from podgate.backends.base import BackendUnavailableError
 from podgate.forwarders import NO_TOOL, PROBE_SCRIPT, forwarder_argv
 from podgate.model import ContainerRecord, ContainerState, PodRecord
@@ -117,6 +117,9 @@ class ExecBackend:
         return lines[-1].strip() if process.returncode == 0 and lines else "none"
 
 
+_T = TypeVar("_T")
+
+
 def _kill_group(process: asyncio.subprocess.Process) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, signal.SIGKILL)
@@ -139,6 +142,10 @@ class ProcessStream(ByteStream):
             self._read_stderr(process.stderr), name=f"{label} stderr"
         )
         self._closed = False
+        self._eof_sent = False
+        self._ended = asyncio.Event()  # set by aclose(): wakes a blocked receive() or send()
+        self._receiving = ConflictGuard("receiving")
+        self._sending = ConflictGuard("sending")
 
     async def _read_stderr(self, stream: asyncio.StreamReader) -> None:
         while chunk := await stream.read(STDERR_LIMIT_BYTES):
@@ -158,20 +165,45 @@ class ProcessStream(ByteStream):
         return ForwardError(f"{self._prefix}{self._label}: {said}")
 
     async def receive(self, max_bytes: int = DEFAULT_RECEIVE_BYTES) -> bytes:
-        chunk = await self._stdout.read(max_bytes)
-        if not chunk and (failure := await self._failure(EXIT_CHECK_SECONDS)) is not None:
-            raise failure
-        return chunk
+        with self._receiving:
+            chunk = await self._unless_closed(self._stdout.read(max_bytes))
+            if not chunk and (failure := await self._failure(EXIT_CHECK_SECONDS)) is not None:
+                raise failure
+            return chunk
 
     async def send(self, data: Buffer) -> None:
+        with self._sending:
+            if self._eof_sent:
+                raise ClosedStreamError("write after EOF")
+            try:
+                if self._closed:
+                    raise ClosedStreamError("stream is closed")
+                self._stdin.write(data)
+                await self._unless_closed(self._stdin.drain())
+            except (BrokenPipeError, ConnectionResetError) as exc:
+                failure = await self._failure(EXIT_WAIT_SECONDS)
+                raise failure or ForwardError(f"{self._prefix}{self._label}: {exc}") from exc
+
+    async def _unless_closed(self, io: Coroutine[object, object, _T]) -> _T:
+        """`io`, unless aclose() comes first (then ClosedStreamError, as every ByteStream)."""
+        if self._closed:
+            io.close()
+            raise ClosedStreamError("stream is closed")
+        task = asyncio.ensure_future(io)
+        ended = asyncio.ensure_future(self._ended.wait())
         try:
-            self._stdin.write(data)
-            await self._stdin.drain()
-        except (BrokenPipeError, ConnectionResetError) as exc:
-            failure = await self._failure(EXIT_WAIT_SECONDS)
-            raise failure or ForwardError(f"{self._prefix}{self._label}: {exc}") from exc
+            await asyncio.wait({task, ended}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ended.cancel()
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        if task.cancelled():
+            raise ClosedStreamError("stream is closed")
+        return task.result()
 
     async def send_eof(self) -> None:
+        self._eof_sent = True
         if not self._stdin.is_closing():
             self._stdin.close()
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
@@ -181,7 +213,17 @@ class ProcessStream(ByteStream):
         if self._closed:
             return
         self._closed = True
-        await self.send_eof()
+        self._ended.set()
+        self._eof_sent = True
+        self._stdin.close()
+        try:
+            # What completed sends queued may flush; a forwarder that stopped reading is not
+            # waited for (its unsent input is dropped).
+            async with asyncio.timeout(CLOSE_FLUSH_SECONDS):
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                    await self._stdin.wait_closed()
+        except TimeoutError:
+            self._stdin.transport.abort()
         try:
             async with asyncio.timeout(EXIT_WAIT_SECONDS):
                 await self._process.wait()

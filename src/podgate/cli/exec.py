@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 
 import click
 
-from podgate.aio.errors import StreamError
+from podgate.aio.errors import ConflictGuard, StreamError
 from podgate.aio.loop import run
 from podgate.aio.streams import DEFAULT_RECEIVE_BYTES, Buffer, ByteStream
 from podgate.cli.portforward import kubeconfig_options, load_api
@@ -55,6 +55,9 @@ class FdStream(ByteStream):
         self._loop = asyncio.get_running_loop()
         self._restore_flags: int | None = None
         self._eof = False
+        # One waiter per direction: the loop keeps one reader/writer callback per fd.
+        self._receiving = ConflictGuard("receiving")
+        self._sending = ConflictGuard("sending")
 
     def _prepare_read(self) -> None:
         if self._restore_flags is not None:
@@ -79,6 +82,10 @@ class FdStream(ByteStream):
             remove(self.fd)
 
     async def receive(self, max_bytes: int = DEFAULT_RECEIVE_BYTES) -> bytes:
+        with self._receiving:
+            return await self._receive(max_bytes)
+
+    async def _receive(self, max_bytes: int) -> bytes:
         if self._eof:
             return b""
         self._prepare_read()
@@ -95,7 +102,11 @@ class FdStream(ByteStream):
             return data
 
     async def send(self, data: Buffer) -> None:
-        view = memoryview(data)
+        with self._sending:
+            await self._send(data)
+
+    async def _send(self, data: Buffer) -> None:
+        view = memoryview(data).cast("B")
         while view:
             try:
                 written = os.write(self.fd, view)

@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 from typing import Final
 
-from podgate.aio.errors import ForwardError, StreamError
+from podgate.aio.errors import ClosedStreamError, ForwardError, StreamError
 from podgate.aio.memory import memory_stream_pair
 from podgate.aio.splice import HALF_CLOSE_GRACE_SECONDS
 from podgate.aio.streams import DEFAULT_RECEIVE_BYTES, Buffer, ByteStream
@@ -90,6 +90,10 @@ class ExecForwarder:
         return tool
 
 
+# How long a failed connection waits for the forwarder's own explanation of the failure.
+FAILURE_WAIT_SECONDS = 2.0
+
+
 class ExecForwardStream(ByteStream):
     """The connection; a forwarder that failed (e.g. refused port) raises ForwardError with
     what it printed, which the gateway passes on to the client's error stream."""
@@ -99,8 +103,10 @@ class ExecForwardStream(ByteStream):
         self.task = task
 
     async def _failure(self) -> None:
-        with contextlib.suppress(TimeoutError):
-            message = await asyncio.wait_for(asyncio.shield(self.task), 2.0)
+        """Raise what the forwarder printed once it ended (a stopped one says nothing)."""
+        await asyncio.wait({self.task}, timeout=FAILURE_WAIT_SECONDS)
+        if self.task.done() and not self.task.cancelled() and self.task.exception() is None:
+            message = self.task.result()
             if message:
                 raise ForwardError(message)
 
@@ -113,6 +119,8 @@ class ExecForwardStream(ByteStream):
     async def send(self, data: Buffer) -> None:
         try:
             await self.inner.send(data)
+        except ClosedStreamError:
+            raise  # our own close or EOF: nothing the forwarder said applies
         except StreamError:
             await self._failure()
             raise
@@ -124,5 +132,7 @@ class ExecForwardStream(ByteStream):
         await self.inner.aclose()
         if not self.task.done():
             self.task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await self.task
+        # Wait for the forwarder without taking its cancellation (or failure) as ours.
+        await asyncio.wait({self.task})
+        if not self.task.cancelled():
+            self.task.exception()  # retrieved: its failure was reported on the stream

@@ -36,6 +36,9 @@ log = logging.getLogger(__name__)
 # Concurrent streams one user, and one pod, may have open (0 = no cap).
 DEFAULT_MAX_STREAMS_PER_USER = 64
 DEFAULT_MAX_STREAMS_PER_POD = 128
+# Streams one user may hold on one pod: a quarter of the pod's cap, so two (or three) users
+# with sessions left open cannot take a pod away from everyone else.
+DEFAULT_MAX_STREAMS_PER_USER_PER_POD = DEFAULT_MAX_STREAMS_PER_POD // 4
 
 
 @dataclass(slots=True)
@@ -43,6 +46,7 @@ class Limits:
     max_streams_per_user: int = DEFAULT_MAX_STREAMS_PER_USER
     max_streams_per_pod: int = DEFAULT_MAX_STREAMS_PER_POD
     max_bytes_per_sec: float | None = None  # per stream, each way; None = unlimited
+    max_streams_per_user_per_pod: int = DEFAULT_MAX_STREAMS_PER_USER_PER_POD
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +109,7 @@ class Gate:
         self.limits = limits or Limits()
         self._per_user: collections.Counter[str] = collections.Counter()
         self._per_pod: collections.Counter[str] = collections.Counter()
+        self._per_user_pod: collections.Counter[tuple[str, str]] = collections.Counter()
 
     # -- Guard
     def identify(self, conn: SocketStream, request: UpgradeRequest) -> object | None:
@@ -178,6 +183,14 @@ class Gate:
             and self._per_user[who.user.name] >= limits.max_streams_per_user
         ):
             reason = f"user {who.user.name!r} has {limits.max_streams_per_user} streams open"
+        elif (
+            limits.max_streams_per_user_per_pod
+            and self._per_user_pod[who.user.name, pod_key] >= limits.max_streams_per_user_per_pod
+        ):
+            reason = (
+                f"user {who.user.name!r} has {limits.max_streams_per_user_per_pod} streams open"
+                f" on pod {pod_key}"
+            )
         elif limits.max_streams_per_pod and self._per_pod[pod_key] >= limits.max_streams_per_pod:
             reason = f"pod {pod_key} has {limits.max_streams_per_pod} streams open"
         else:
@@ -197,11 +210,15 @@ class Gate:
     def _counted(self, user: str, pod: str) -> Iterator[None]:
         self._per_user[user] += 1
         self._per_pod[pod] += 1
+        self._per_user_pod[user, pod] += 1
         try:
             yield
         finally:
             self._per_user[user] -= 1
             self._per_pod[pod] -= 1
+            self._per_user_pod[user, pod] -= 1
+            if not self._per_user_pod[user, pod]:
+                del self._per_user_pod[user, pod]
 
 
 class GateStream(SessionHooks):
@@ -239,6 +256,11 @@ class GateStream(SessionHooks):
         }
         if command:
             self._base["command"] = command
+
+    @property
+    def tenant(self) -> str:
+        """The user the stream is for: upstream sessions are kept apart per tenant."""
+        return self.who.user.name
 
     def negotiated(self, transport: str, protocol: str) -> None:
         kind = "websocket" if transport.startswith("websocket") else transport

@@ -7,6 +7,7 @@ Pods come from a PodSource: the demo's static pods, or a runtime's real ones.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import re
@@ -310,6 +311,11 @@ class StreamGuard(Protocol):
     @property
     def hooks(self) -> SessionHooks: ...
 
+    @property
+    def tenant(self) -> str:
+        """Who the stream is for (upstream sessions are kept apart per tenant)."""
+        ...
+
     def finish(self, outcome: str, detail: str = "") -> None: ...
 
 
@@ -601,7 +607,9 @@ class KubeApi:
         if isinstance(admitted, str):
             await self._send_status(conn, handshake, 429, "TooManyRequests", admitted)
             return handshake.must_close
-        what = StreamRequest(kind, pod.ref, container=container, hooks=admitted.hooks)
+        # The caller is the tenant: its port-forwards get upstream sessions of their own.
+        ref = dataclasses.replace(pod.ref, tenant=admitted.tenant)
+        what = StreamRequest(kind, ref, container=container, hooks=admitted.hooks)
         outcome, detail = "error", ""
         try:
             code = await serve_stream(

@@ -55,6 +55,16 @@ RUNTIME_NO_UDP = "runtime does not support UDP port-forward"
 EXEC_NO_UDP = "UDP port-forward is not supported through the exec forwarder"
 
 
+def pool_key(pod: PodRef) -> str:
+    """Which pooled upstream session serves `pod` for its tenant: one per sandbox and user.
+
+    A runtime without SPDY flow control (containerd, CRI-O) can only slow a session down as a
+    whole, so a user whose client stops reading stalls the session's read loop; sharing it
+    would stall every other user's forwards to the pod too. (A sandbox alone, for callers
+    that name no tenant.)"""
+    return f"{pod.sandbox_id} {pod.tenant}" if pod.tenant else pod.sandbox_id
+
+
 class UpstreamForwardError(ForwardError):
     """The runtime could not forward the connection; the message is its own error text
     (e.g. `error forwarding port 9999 to pod …`), which the port-forward server relays to the
@@ -166,7 +176,7 @@ class CriTarget:
                 raise TargetError(EXEC_NO_UDP)
             return await self.exec_forwarder.open_port(pod, port)
         while True:
-            entry, reused = await self._session(pod.sandbox_id)
+            entry, reused = await self._session(pod.sandbox_id, pool_key(pod))
             if protocol == "udp" and not entry.session.supports_udp:
                 raise TargetError(RUNTIME_NO_UDP)
             try:
@@ -182,21 +192,21 @@ class CriTarget:
             entry.acquire()
             return UpstreamStream(forwarded, port, entry.release)
 
-    async def _session(self, sandbox_id: str) -> tuple[_PooledSession, bool]:
-        entry = self._sessions.get(sandbox_id)
+    async def _session(self, sandbox_id: str, key: str) -> tuple[_PooledSession, bool]:
+        entry = self._sessions.get(key)
         if entry is not None:
             if entry.usable:
                 return entry, True
             self._drop(entry)
-        task = self._connecting.get(sandbox_id)
+        task = self._connecting.get(key)
         if task is None:
-            task = asyncio.create_task(self._connect(sandbox_id), name=f"pf connect {sandbox_id}")
-            self._connecting[sandbox_id] = task
-            task.add_done_callback(lambda t: self._connected(sandbox_id, t))
+            task = asyncio.create_task(self._connect(sandbox_id, key), name=f"pf connect {key}")
+            self._connecting[key] = task
+            task.add_done_callback(lambda t: self._connected(key, t))
         # Shielded: one caller giving up does not abort the others' connection.
         return await asyncio.shield(task), False
 
-    async def _connect(self, sandbox_id: str) -> _PooledSession:
+    async def _connect(self, sandbox_id: str, key: str) -> _PooledSession:
         try:
             url = await self.client.port_forward_url(sandbox_id)
             endpoint, path = endpoint_from_url(url, ssl_context=self.ssl_context)
@@ -207,37 +217,38 @@ class CriTarget:
             raise TargetError(f"error connecting to the runtime's streaming server: {exc}") from exc
         except (StreamError, ProtocolError, ValueError) as exc:
             raise TargetError(f"error connecting to the runtime's streaming server: {exc}") from exc
-        entry = _PooledSession(sandbox_id, session)
-        self._sessions[sandbox_id] = entry
+        entry = _PooledSession(key, session)
+        self._sessions[key] = entry
         entry.on_idle = self._expire
         entry.schedule_idle(self.idle_seconds)
         return entry
 
-    def _connected(self, sandbox_id: str, task: asyncio.Task[_PooledSession]) -> None:
-        if self._connecting.get(sandbox_id) is task:
-            del self._connecting[sandbox_id]
+    def _connected(self, key: str, task: asyncio.Task[_PooledSession]) -> None:
+        if self._connecting.get(key) is task:
+            del self._connecting[key]
         if not task.cancelled():
             task.exception()  # retrieved here too, in case every caller was cancelled
 
     def _expire(self, entry: _PooledSession) -> None:
         if entry.active == 0:
-            log.debug("port-forward session for %s idle, closing", entry.sandbox_id)
+            log.debug("port-forward session for %s idle, closing", entry.key)
             self._drop(entry)
 
     def _drop(self, entry: _PooledSession) -> None:
-        if self._sessions.get(entry.sandbox_id) is entry:
-            del self._sessions[entry.sandbox_id]
+        if self._sessions.get(entry.key) is entry:
+            del self._sessions[entry.key]
         if entry.closed:
             return
         entry.closed = True
         entry.cancel_idle()
-        task = asyncio.create_task(entry.session.aclose(), name=f"pf close {entry.sandbox_id}")
+        task = asyncio.create_task(entry.session.aclose(), name=f"pf close {entry.key}")
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 
     @property
     def pooled_sessions(self) -> dict[str, PortForwardSession]:
-        """The upstream session of each sandbox (for status pages and tests)."""
+        """The upstream session of each sandbox and tenant, by pool_key (for status pages and
+        tests)."""
         return {sid: entry.session for sid, entry in self._sessions.items()}
 
     async def aclose(self) -> None:
@@ -254,7 +265,7 @@ class CriTarget:
 
 @dataclass(eq=False, slots=True)
 class _PooledSession:
-    sandbox_id: str
+    key: str  # pool_key(): the sandbox, and the tenant it serves
     session: PortForwardSession
     active: int = 0
     closed: bool = False

@@ -382,6 +382,11 @@ def websocket_port_prefix(port: int) -> bytes:
     return port.to_bytes(2, "little")
 
 
+# Ports one WebSocket port-forward request may name: the channel protocol's own limit (two
+# channels a port, channel numbers 0-79 in base64 mode), so a longer list is refused up front.
+MAX_PORTS_PER_REQUEST = 40
+
+
 def parse_ports(query: Sequence[tuple[str, str]], *, name: str = "ports") -> tuple[int, ...]:
     """Ports of a WebSocket port-forward request: repeated and/or comma-separated values.
 
@@ -401,6 +406,12 @@ def parse_ports(query: Sequence[tuple[str, str]], *, name: str = "ports") -> tup
                 reason=REASON_BAD_REQUEST,
             )
         for item in value.split(","):
+            if len(ports) == MAX_PORTS_PER_REQUEST:
+                raise StatusError(
+                    f"at most {MAX_PORTS_PER_REQUEST} ports per request",
+                    code=400,
+                    reason=REASON_BAD_REQUEST,
+                )
             try:
                 ports.append(parse_port(item))
             except ValueError as exc:

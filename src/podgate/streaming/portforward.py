@@ -16,7 +16,8 @@ from collections.abc import Coroutine, Sequence
 
 from podgate.aio.errors import ForwardError, StreamError, StreamResetError
 from podgate.aio.spdy import SpdySession, SpdyStream
-from podgate.aio.splice import splice
+from podgate.aio.splice import HALF_CLOSE_GRACE_SECONDS, splice
+from podgate.aio.streams import DEFAULT_RECEIVE_BYTES, Buffer, ByteStream
 from podgate.aio.wschannel import ChannelSession
 from podgate.proto import portforward as pf
 from podgate.proto.spdy import STREAM_WINDOW_BYTES
@@ -156,7 +157,7 @@ class SpdyPortForwardServer:
             log.info("port-forward %s: %s", self.pod, message)
             await self._fail(error, data, message)
             return
-        result = await splice(data, self.hooks.wrap(upstream))
+        result = await splice(_EndsWithErrorStream(data, error), self.hooks.wrap(upstream))
         record.bytes_in, record.bytes_out = result.a_to_b, result.b_to_a
         if isinstance(result.error, ForwardError):
             # The runtime behind us explained the failure: pass its words on.
@@ -181,6 +182,35 @@ class SpdyPortForwardServer:
             await error.send(message.encode())
         data.reset()
         error.reset()
+
+
+class _EndsWithErrorStream(ByteStream):
+    """The client's data stream, whose EOF (the pod closed the connection) also finishes the
+    pair's error stream at once.
+
+    client-go's port-forward, after the data stream's EOF, waits for the error stream to end
+    before it closes the local connection (kubectl 1.27-1.33 over SPDY and the tunnel): a
+    pair whose error stream stayed open until the client's own EOF would leave a client that
+    waits for the pod's close (HTTP/1.0) hanging. The kubelet ends both when the runtime's
+    copy ends."""
+
+    def __init__(self, data: SpdyStream, error: SpdyStream) -> None:
+        self._data = data
+        self._error = error
+
+    async def receive(self, max_bytes: int = DEFAULT_RECEIVE_BYTES) -> bytes:
+        return await self._data.receive(max_bytes)
+
+    async def send(self, payload: Buffer) -> None:
+        await self._data.send(payload)
+
+    async def send_eof(self) -> None:
+        await self._data.send_eof()
+        with contextlib.suppress(StreamError):
+            await self._error.send_eof()
+
+    async def aclose(self) -> None:
+        await self._data.aclose()
 
 
 async def serve_websocket_portforward(
@@ -212,7 +242,11 @@ async def serve_websocket_portforward(
                 with contextlib.suppress(StreamError):
                     await error_ch.send(message.encode())
                 return
-            result = await splice(data_ch, hooks.wrap(upstream))
+            # Without channel close (v4) the client cannot be told of the pod's EOF but by
+            # the end of the connection: the pod's EOF ends the port at once (no grace), and
+            # the WebSocket closes once every port has ended, as the kubelet does.
+            grace = HALF_CLOSE_GRACE_SECONDS if channels.can_close_channels else 0.0
+            result = await splice(data_ch, hooks.wrap(upstream), grace=grace)
             record.bytes_in, record.bytes_out = result.a_to_b, result.b_to_a
             if result.error is not None:
                 record.outcome, record.reason = "error", str(result.error)

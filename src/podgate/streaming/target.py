@@ -19,6 +19,8 @@ class PodRef:
     name: str
     uid: str = ""
     sandbox_id: str = ""  # the runtime's id, where there is one
+    # Who the stream is for, where a gateway knows (it keeps tenants' upstream sessions apart).
+    tenant: str = ""
 
     @property
     def label(self) -> str:

@@ -1,0 +1,181 @@
+"""A SPDY peer that abuses the session: control-frame floods and unbounded stream counts.
+
+The peer is a bare socket fed with frames built by hand, so the flood is exactly what the
+test wrote; the session under test is the asyncio driver every podgate server runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import socket
+from collections.abc import AsyncIterator
+
+import pytest
+
+from podgate.aio.errors import BrokenStreamError, ClosedStreamError
+from podgate.aio.spdy import (
+    CONTROL_FRAME_BURST,
+    MAX_QUEUED_BYTES_PER_STREAM,
+    MAX_STREAMS_PER_SESSION,
+    STALLED_STREAM_RESET_SECONDS,
+    SpdySession,
+    SpdyStream,
+)
+from podgate.aio.streams import SocketStream
+from podgate.aio.wschannel import TunnelWire
+from podgate.proto.spdy import GoAwayReceived, Role, SpdyConnection, StreamReset
+from podgate.proto.spdy.events import Event, PingAcknowledged, StreamReplied
+from podgate.proto.spdy.frames import GoAwayStatus, RstStatus, encode_ping
+from podgate.proto.wschannel import Role as WsRole
+from podgate.proto.wschannel import TunnelConnection
+
+PROMPT_SECONDS = 20.0
+# Far above the burst: what a flooding client sends in well under a second.
+FLOOD_PINGS = 20 * CONTROL_FRAME_BURST
+
+
+class Peer:
+    """The client end as bytes: a socket plus a sans-IO core to build and parse frames."""
+
+    def __init__(self, wire: SocketStream) -> None:
+        self.wire = wire
+        self.core = SpdyConnection(Role.CLIENT)
+        self.events: list[Event] = []
+
+    async def read_all(self) -> None:
+        """Read until the server closes the connection (a close with our flood still unread
+        in its socket is a reset: what arrived before it counts)."""
+        with contextlib.suppress(BrokenStreamError):
+            async with asyncio.timeout(PROMPT_SECONDS):
+                while data := await self.wire.receive():
+                    self.events += self.core.receive_data(data)
+
+
+@pytest.fixture
+async def served() -> AsyncIterator[tuple[SpdySession, Peer, list[SpdyStream]]]:
+    a, b = socket.socketpair()
+    server_wire, peer_wire = await SocketStream.from_socket(a), await SocketStream.from_socket(b)
+    accepted: list[SpdyStream] = []
+
+    def on_stream(stream: SpdyStream) -> None:
+        stream.accept()
+        accepted.append(stream)
+
+    server = SpdySession(
+        server_wire, Role.SERVER, on_stream=on_stream, idle_timeout=None, name="server"
+    )
+
+    async def serve() -> None:
+        try:
+            await server.run()
+        finally:
+            await server.aclose()  # as the streaming servers do when the session ends
+
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(serve())
+        yield server, Peer(peer_wire), accepted
+        await server.aclose()
+    await peer_wire.aclose()
+
+
+async def test_ping_flood_gets_goaway_instead_of_echoes(
+    served: tuple[SpdySession, Peer, list[SpdyStream]],
+) -> None:
+    server, peer, _ = served
+    flood = b"".join(encode_ping(2 * i + 1) for i in range(FLOOD_PINGS))
+    await peer.wire.send(flood)
+    await peer.read_all()
+    goaways = [e for e in peer.events if isinstance(e, GoAwayReceived)]
+    echoes = [e for e in peer.events if isinstance(e, PingAcknowledged)]
+    assert [g.status for g in goaways] == [GoAwayStatus.PROTOCOL_ERROR]
+    # Echoed at most the burst the budget allows, never the whole flood.
+    assert len(echoes) <= CONTROL_FRAME_BURST
+    assert server.done.is_set()
+
+
+async def test_pings_at_client_go_rate_are_all_answered(
+    served: tuple[SpdySession, Peer, list[SpdyStream]],
+) -> None:
+    _, peer, _ = served
+    for _ in range(50):
+        peer.core.ping()
+        await peer.wire.send(peer.core.data_to_send())
+    echoes = 0
+    async with asyncio.timeout(PROMPT_SECONDS):
+        while echoes < 50:
+            data = await peer.wire.receive()
+            assert data, "server closed a well-behaved session"
+            echoes += sum(isinstance(e, PingAcknowledged) for e in peer.core.receive_data(data))
+    assert not any(isinstance(e, GoAwayReceived) for e in peer.events)
+
+
+async def test_streams_beyond_the_cap_are_refused(
+    served: tuple[SpdySession, Peer, list[SpdyStream]],
+) -> None:
+    server, peer, accepted = served
+    extra = 10
+    for i in range(MAX_STREAMS_PER_SESSION + extra):
+        peer.core.open_stream({"streamtype": "data", "port": "80", "requestid": str(i)})
+    await peer.wire.send(peer.core.data_to_send())
+    replied = refused = 0
+    async with asyncio.timeout(PROMPT_SECONDS):
+        while replied + refused < MAX_STREAMS_PER_SESSION + extra:
+            data = await peer.wire.receive()
+            assert data
+            for event in peer.core.receive_data(data):
+                replied += isinstance(event, StreamReplied)
+                if isinstance(event, StreamReset):
+                    assert event.status == RstStatus.REFUSED_STREAM
+                    refused += 1
+    assert (replied, refused) == (MAX_STREAMS_PER_SESSION, extra)
+    assert len(accepted) == MAX_STREAMS_PER_SESSION
+    assert server.stream_count == MAX_STREAMS_PER_SESSION
+
+
+async def test_tunnel_closed_under_a_writer_is_a_stream_error_not_a_traceback() -> None:
+    """After the tunnel's WebSocket closed, a SPDY write (a late RST_STREAM, PING or data)
+    used to raise wsproto's LocalProtocolError out of the session: now a ClosedStreamError
+    the session turns into `broken`."""
+    a, b = socket.socketpair()
+    wire = TunnelWire(await SocketStream.from_socket(a), TunnelConnection(WsRole.CLIENT))
+    peer = await SocketStream.from_socket(b)
+    await wire.aclose()
+    with pytest.raises(ClosedStreamError):
+        wire.writelines([b"late frame"])
+    session = SpdySession(wire, Role.CLIENT, idle_timeout=None)
+    with pytest.raises(BrokenStreamError):
+        await session.ping(timeout=PROMPT_SECONDS)
+    await peer.aclose()
+
+
+async def test_a_reader_that_never_reads_cannot_pin_the_session_after_the_peer_left() -> None:
+    """Without flow control a full stream parks the read loop; if nobody ever reads it, the
+    stream is reset after STALLED_STREAM_RESET_SECONDS and the loop reads on, so the peer's
+    leaving is seen and the session (its socket, its buffers) is released."""
+    a, b = socket.socketpair()
+    client_wire, server_wire = await SocketStream.from_socket(a), await SocketStream.from_socket(b)
+    accepted: list[SpdyStream] = []
+
+    def on_stream(stream: SpdyStream) -> None:
+        stream.accept()
+        accepted.append(stream)  # and never read
+
+    server = SpdySession(server_wire, Role.SERVER, on_stream=on_stream, idle_timeout=None)
+    client = SpdySession(client_wire, Role.CLIENT, idle_timeout=None)
+    async with asyncio.TaskGroup() as tg:
+        serving = tg.create_task(server.run())
+        tg.create_task(client.run())
+        stream = await client.open_stream({"streamtype": "data", "port": "80", "requestid": "0"})
+        sender = tg.create_task(stream.send(bytes(4 * MAX_QUEUED_BYTES_PER_STREAM)))
+        await asyncio.sleep(0.5)
+        assert not sender.done()  # held by backpressure, not buffered
+        sender.cancel()
+        client_wire.abort()  # the client leaves abruptly
+        async with asyncio.timeout(STALLED_STREAM_RESET_SECONDS + PROMPT_SECONDS):
+            await serving
+        await server.aclose()
+        await client.aclose()
+    assert server.stream_count == 0
+    assert accepted and accepted[0]._chunks == collections.deque()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import logging
 import os
 import socket
 import ssl
@@ -28,6 +29,9 @@ from podgate.aio.errors import (
     ConflictGuard,
     map_os_errors,
 )
+from podgate.aio.tasks import TaskSet
+
+log = logging.getLogger(__name__)
 
 # Largest chunk handed out by one receive(): bigger reads cost fewer wake-ups per byte.
 DEFAULT_RECEIVE_BYTES = 256 * 1024
@@ -446,14 +450,17 @@ async def start_server(
     *,
     ssl_context: ssl.SSLContext | None = None,
     backlog: int = 1024,
+    tasks: TaskSet | None = None,
 ) -> asyncio.Server:
-    """Listen on host:port and run `handler(stream)` in a task for each connection."""
+    """Listen on host:port and run `handler(stream)` in a task for each connection.
+
+    The tasks belong to `tasks` (the caller's, to drain them on shutdown) or to a set of the
+    server's own."""
     loop = asyncio.get_running_loop()
-    tasks: set[asyncio.Task[None]] = set()
+    owner = tasks if tasks is not None else TaskSet(f"server {host}:{port}", log)
 
     def factory() -> _StreamProtocol:
-        proto = _AcceptingProtocol(handler, tasks)
-        return proto
+        return _AcceptingProtocol(handler, owner)
 
     return await loop.create_server(factory, host, port, ssl=ssl_context, backlog=backlog)
 
@@ -469,21 +476,27 @@ def remove_stale_socket(path: str) -> None:
 
 
 async def start_unix_server(
-    handler: _Handler, path: str, *, ssl_context: ssl.SSLContext | None = None, mode: int = 0o600
+    handler: _Handler,
+    path: str,
+    *,
+    ssl_context: ssl.SSLContext | None = None,
+    mode: int = 0o600,
+    tasks: TaskSet | None = None,
 ) -> asyncio.Server:
-    """Listen on a unix socket (a stale socket file is replaced; permissions set to `mode`)."""
+    """Listen on a unix socket (a stale socket file is replaced; permissions set to `mode`);
+    connection tasks belong to `tasks` as for start_server."""
     loop = asyncio.get_running_loop()
-    tasks: set[asyncio.Task[None]] = set()
+    owner = tasks if tasks is not None else TaskSet(f"server {path}", log)
     remove_stale_socket(path)
     server = await loop.create_unix_server(
-        lambda: _AcceptingProtocol(handler, tasks), path, ssl=ssl_context
+        lambda: _AcceptingProtocol(handler, owner), path, ssl=ssl_context
     )
     os.chmod(path, mode)
     return server
 
 
 class _AcceptingProtocol(_StreamProtocol):
-    def __init__(self, handler: _Handler, tasks: set[asyncio.Task[None]]) -> None:
+    def __init__(self, handler: _Handler, tasks: TaskSet) -> None:
         super().__init__()
         self._handler = handler
         self._tasks = tasks
@@ -492,11 +505,10 @@ class _AcceptingProtocol(_StreamProtocol):
         super().connection_made(transport)
         stream = SocketStream(self)
         stream.set_nodelay()
-        task = asyncio.get_running_loop().create_task(
-            _run_handler(self._handler, stream), name=f"conn {stream.peername}"
-        )
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        try:
+            self._tasks.spawn(_run_handler(self._handler, stream), name=f"conn {stream.peername}")
+        except RuntimeError:
+            stream.abort()  # the server is shutting down: no new connection is served
 
 
 async def _run_handler(handler: _Handler, stream: SocketStream) -> None:

@@ -72,7 +72,7 @@ class TaskSet:
             await asyncio.wait(pending)
 
 
-async def cancel_and_wait(*tasks: asyncio.Task[Any]) -> None:
+async def cancel_and_wait(*tasks: asyncio.Future[Any]) -> None:
     """Cancel `tasks` (helpers of a call that is ending) and wait until each has ended.
 
     A helper's own CancelledError or failure is its end and is not raised here (failures that

@@ -172,11 +172,18 @@ class Listener:
             sock.close()
 
     async def wait_closed(self) -> None:
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._accepting
+        await asyncio.wait({self._accepting})  # its cancellation is its end, not ours
 
-    async def close_clients(self) -> None:
-        """End every connection and wait until their handlers have finished (and audited)."""
+    @property
+    def active(self) -> int:
+        """Connections whose handler is still running."""
+        return len(self._tasks)
+
+    async def close_clients(self, grace: float = 0.0) -> None:
+        """Let connections go on for `grace` seconds, then end the rest; wait until every
+        handler has finished (and audited)."""
+        if self._tasks and grace > 0:
+            await asyncio.wait(set(self._tasks), timeout=grace)
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()

@@ -19,6 +19,9 @@ from podgate.node.pki import DEFAULT_HOSTS, OperatorTls, Pki, ensure_pki, write_
 
 log = logging.getLogger(__name__)
 
+# On shutdown, connections in progress (exec, port-forward, logs -f) may go on this long after
+# the gateway stops accepting; then they are cut, seconds.
+SHUTDOWN_DRAIN_SECONDS = 5.0
 ADMIN_USER = "admin"
 ADMIN_GROUP = "system:masters"
 # The policy written on first start: the admin group may do everything, nobody else anything.
@@ -209,5 +212,11 @@ async def running_gateway(
     finally:
         server.close()
         await server.wait_closed()
-        await server.close_clients()
+        if server.active:
+            log.info(
+                "gateway: %d connections open, draining for up to %gs",
+                server.active,
+                SHUTDOWN_DRAIN_SECONDS,
+            )
+        await server.close_clients(SHUTDOWN_DRAIN_SECONDS)
         gate.audit.close()

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from podgate.aio.errors import ForwardError, StreamError, StreamResetError
 from podgate.aio.streams import DEFAULT_RECEIVE_BYTES, Buffer, ByteStream
+from podgate.aio.tasks import cancel_and_wait
 from podgate.node.cri_client import CriClient, CriError
 from podgate.node.execforward import ExecForwarder
 from podgate.proto.errors import ProtocolError
@@ -372,9 +373,7 @@ class UpstreamStream(ByteStream):
     async def aclose(self) -> None:
         await self._data.aclose()
         await self._error_stream.aclose()
-        self._error_reader.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._error_reader
+        await cancel_and_wait(self._error_reader)
         if self._on_close is not None:
             on_close, self._on_close = self._on_close, None
             on_close()

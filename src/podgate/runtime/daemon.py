@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_STATE_DIR = "/var/lib/podgate"
 BACKEND_NAMES = ("netns", "agent", "exec")
+# On SIGTERM streams in progress (exec sessions, forwarded connections) may go on this long
+# after the servers stop accepting; then they are cut, seconds.
+SHUTDOWN_DRAIN_SECONDS = 5.0
 
 
 def default_backends() -> dict[str, list[str]]:
@@ -155,7 +158,7 @@ async def running_runtime(config: RuntimeConfig) -> AsyncIterator[RunningRuntime
         if adaptation is not None:
             runtime.nri = None
             await adaptation.stop()
-        await streaming.stop()
+        await streaming.stop(SHUTDOWN_DRAIN_SECONDS)
         await agent.aclose()
         netns.close()
         netns.worker.close()

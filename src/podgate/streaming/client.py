@@ -19,6 +19,7 @@ from urllib.parse import quote, unquote, urlsplit
 from podgate.aio.errors import BrokenStreamError, StreamError
 from podgate.aio.spdy import SpdySession, SpdyStream
 from podgate.aio.streams import ByteStream, SocketStream
+from podgate.aio.tasks import cancel_and_wait
 from podgate.aio.wschannel import ChannelSession, TunnelWire
 from podgate.proto import k8s
 from podgate.proto import portforward as pf
@@ -283,6 +284,8 @@ async def exec_spdy(
 ) -> ExecResult:
     """Run an exec/attach over SPDY. `path` includes the query (see exec_query)."""
     session, protocol, reader = await connect_spdy(endpoint, path, protocols)
+    tasks: list[asyncio.Task[None]] = []
+    helpers: list[asyncio.Task[None]] = []
     try:
         error = await session.open_stream({"streamtype": "error"})
         opened: dict[str, SpdyStream] = {}
@@ -294,10 +297,9 @@ async def exec_spdy(
             opened["stderr"] = await session.open_stream({"streamtype": "stderr"})
         elif tty and rc.supports_resize(protocol):
             opened["resize"] = await session.open_stream({"streamtype": "resize"})
-        tasks = [asyncio.create_task(_pump_out(opened["stdout"], stdout))]
+        tasks.append(asyncio.create_task(_pump_out(opened["stdout"], stdout)))
         if "stderr" in opened:
             tasks.append(asyncio.create_task(_pump_out(opened["stderr"], stderr)))
-        helpers = []
         if "stdin" in opened:
             helpers.append(asyncio.create_task(_pump_in(stdin, opened["stdin"])))
         if "resize" in opened and resizes is not None:
@@ -307,14 +309,11 @@ async def exec_spdy(
         with contextlib.suppress(StreamError):
             while chunk := await error.receive():
                 payload += chunk
-        for task in helpers:
-            task.cancel()
         return _result_from_status(payload, protocol)
     finally:
+        await cancel_and_wait(*tasks, *helpers)
         await session.aclose()
-        reader.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await reader
+        await cancel_and_wait(reader)
 
 
 async def exec_websocket(
@@ -335,12 +334,13 @@ async def exec_websocket(
     )
     reader = asyncio.create_task(channels.run(), name="ws exec client read loop")
     helpers: list[asyncio.Task[None]] = []
+    outs: list[asyncio.Task[None]] = []
     try:
         if stdin is not None:
             helpers.append(asyncio.create_task(_pump_in(stdin, channels.stream(0))))
         if resizes is not None:
             helpers.append(asyncio.create_task(_pump_resizes(resizes, channels.stream(4))))
-        outs = [
+        outs += [
             asyncio.create_task(_pump_out(channels.stream(1), stdout)),
             asyncio.create_task(_pump_out(channels.stream(2), stderr)),
         ]
@@ -356,10 +356,9 @@ async def exec_websocket(
             raise BrokenStreamError(f"websocket closed abnormally ({code})")
         return _result_from_status(payload, protocol)
     finally:
-        for task in helpers:
-            task.cancel()
-        reader.cancel()
+        await cancel_and_wait(*helpers, *outs)
         await channels.aclose()
+        await cancel_and_wait(reader)
 
 
 # --------------------------------------------------------------------------- port-forward
@@ -474,9 +473,7 @@ class PortForwardSession:
 
     async def aclose(self) -> None:
         await self.session.aclose()
-        self._reader.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._reader
+        await cancel_and_wait(self._reader)
 
 
 async def portforward_websocket(

@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from podgate.aio.datagram import DatagramStream, connected_udp_socket
 from podgate.aio.errors import ConnectError, StreamError
 from podgate.aio.streams import ByteStream, SocketStream
+from podgate.aio.tasks import cancel_and_wait
 from podgate.streaming.pipeout import PipeOutput
 from podgate.streaming.target import ExecIO, PodRef, TargetError
 
@@ -166,13 +167,9 @@ async def _run_pipes(command: Sequence[str], io: ExecIO, cwd: str | None) -> int
         if proc.returncode is None:
             _kill_group(proc.pid)
             await proc.wait()
-        outputs.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await outputs
+        await cancel_and_wait(outputs)
         if feeder is not None:
-            feeder.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await feeder
+            await cancel_and_wait(feeder)
         for pipe, fd in ((stdout, out_r), (stderr, err_r)):
             pipe.stop()
             os.close(fd)
@@ -249,11 +246,7 @@ async def _run_pty(command: Sequence[str], io: ExecIO, cwd: str | None) -> int:
             _kill_group(proc.pid)
             await proc.wait()
         output_reader.stop()
-        for task in [*helpers, output]:
-            task.cancel()
-        for task in [*helpers, output]:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(*helpers, output)
         os.close(master)
     return _exit_code(returncode)
 

@@ -18,6 +18,7 @@ from podgate.aio.errors import ForwardError, StreamError, StreamResetError
 from podgate.aio.spdy import SpdySession, SpdyStream
 from podgate.aio.splice import HALF_CLOSE_GRACE_SECONDS, splice
 from podgate.aio.streams import DEFAULT_RECEIVE_BYTES, Buffer, ByteStream
+from podgate.aio.tasks import cancel_and_wait
 from podgate.aio.wschannel import ChannelSession
 from podgate.proto import portforward as pf
 from podgate.proto.spdy import STREAM_WINDOW_BYTES
@@ -95,14 +96,9 @@ class SpdyPortForwardServer:
             if self._tasks:
                 await asyncio.wait(set(self._tasks), timeout=1.0)
         finally:
-            for task in list(self._tasks):
-                task.cancel()
-            for task in list(self._tasks):
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            await cancel_and_wait(*self._tasks)
             await session.aclose()
-            with contextlib.suppress(asyncio.CancelledError):
-                await reader
+            await cancel_and_wait(reader)
 
     def _spawn(self, coro: Coroutine[object, object, None], name: str) -> None:
         task = asyncio.create_task(coro, name=name)

@@ -11,6 +11,7 @@ from typing import TypeVar
 from podgate.aio.errors import StreamError
 from podgate.aio.spdy import SpdySession, SpdyStream
 from podgate.aio.streams import ByteStream
+from podgate.aio.tasks import cancel_and_wait
 from podgate.aio.wschannel import ChannelSession
 from podgate.proto import k8s
 from podgate.proto import remotecommand as rc
@@ -56,13 +57,14 @@ async def run_while_connected(
     """Run `work` until it finishes or the client's connection ends (the read loop `reader`
     returns); in the second case cancel it, which stops the command. None then."""
     task = asyncio.create_task(work, name="exec run")
-    await asyncio.wait({task, reader}, return_when=asyncio.FIRST_COMPLETED)
-    if task.done():
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-    return None
+    try:
+        await asyncio.wait({task, reader}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():  # the client left, or this call was cancelled: stop the command
+            await cancel_and_wait(task)
+    if task.cancelled():
+        return None
+    return task.result()
 
 
 async def serve_spdy_exec(
@@ -120,9 +122,7 @@ async def serve_spdy_exec(
             await error.send_eof()
     finally:
         await session.aclose()
-        reader.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await reader
+        await cancel_and_wait(reader)
     return code
 
 
@@ -153,9 +153,7 @@ async def serve_ws_exec(
                 await session.stream(ERROR).send(payload)
     finally:
         await session.aclose(1000)
-        reader.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await reader
+        await cancel_and_wait(reader)
     return code
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from podgate.aio.spdy import SpdySession
 from podgate.aio.streams import SocketStream, Wire
+from podgate.aio.tasks import cancel_and_wait
 from podgate.aio.wschannel import ChannelSession, TunnelWire
 from podgate.proto import k8s
 from podgate.proto import portforward as pf
@@ -181,7 +182,7 @@ async def serve_stream(
             await serve_websocket_portforward(channels, ports, what.pod, target, what.hooks)
         finally:
             await channels.aclose(1000)
-            reader.cancel()
+            await cancel_and_wait(reader)
         return None
     assert options is not None
     return await serve_ws_exec(channels, options, run)

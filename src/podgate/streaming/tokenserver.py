@@ -19,6 +19,7 @@ from urllib.parse import quote
 
 from podgate.aio.http import linger_close, next_request
 from podgate.aio.streams import SocketStream, start_server, start_unix_server
+from podgate.aio.tasks import TaskSet
 from podgate.proto import k8s
 from podgate.proto import remotecommand as rc
 from podgate.proto.errors import RemoteProtocolError
@@ -96,22 +97,40 @@ class StreamingServer:
         self.clock = clock
         self.tokens: TokenCache[PendingStream] = TokenCache()
         self._server: asyncio.Server | None = None
+        # Every connection's handler: drained on stop.
+        self._connections = TaskSet("streaming connections", log)
 
     async def start(self) -> None:
         if self.unix_path is not None:
             self._server = await start_unix_server(
-                self._guarded, self.unix_path, ssl_context=self.ssl_context
+                self._guarded,
+                self.unix_path,
+                ssl_context=self.ssl_context,
+                tasks=self._connections,
             )
         else:
             self._server = await start_server(
-                self._guarded, self.host, self.port, ssl_context=self.ssl_context
+                self._guarded,
+                self.host,
+                self.port,
+                ssl_context=self.ssl_context,
+                tasks=self._connections,
             )
             self.port = self._server.sockets[0].getsockname()[1]
 
-    async def stop(self) -> None:
+    async def stop(self, grace: float = 0.0) -> None:
+        """Stop accepting; let the streams in progress go on for `grace` seconds, then cut
+        them."""
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
+        if self._connections:
+            log.info(
+                "streaming: %d connections open, draining for up to %gs",
+                len(self._connections),
+                grace,
+            )
+        await self._connections.aclose(grace)
 
     @property
     def base_url(self) -> str:

@@ -120,6 +120,11 @@ async def serve_spdy_exec(
             if payload:
                 await error.send(payload)
             await error.send_eof()
+    except asyncio.CancelledError:
+        # Cut (the server is stopping): the client must read an error, not a clean end.
+        if rc.StreamType.ERROR in streams:
+            await _send_cut(streams[rc.StreamType.ERROR], protocol)
+        raise
     finally:
         await session.aclose()
         await cancel_and_wait(reader)
@@ -151,10 +156,29 @@ async def serve_ws_exec(
         if payload:
             with contextlib.suppress(StreamError):
                 await session.stream(ERROR).send(payload)
+    except asyncio.CancelledError:
+        await _send_cut(session.stream(ERROR), protocol)  # an error, not a clean end
+        raise
     finally:
         await session.aclose(1000)
         await cancel_and_wait(reader)
     return code
+
+
+# How long a cut stream's error report may take to go out while the server stops, seconds.
+CUT_REPORT_SECONDS = 1.0
+CUT_MESSAGE = "the stream was cut: the server is shutting down"
+
+
+async def _send_cut(error: ByteStream, protocol: str) -> None:
+    """Tell the client on its error stream that its command was cut (best effort, bounded)."""
+    if rc.status_is_json(protocol):
+        payload = k8s.encode_status(k8s.status_internal_error(CUT_MESSAGE))
+    else:
+        payload = CUT_MESSAGE.encode()
+    with contextlib.suppress(StreamError, TimeoutError):
+        async with asyncio.timeout(CUT_REPORT_SECONDS):
+            await asyncio.shield(error.send(payload))
 
 
 def exit_status_bytes(code: int | None, message: str | None = None) -> bytes:

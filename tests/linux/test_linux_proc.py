@@ -15,6 +15,7 @@ import pytest
 from podgate.linux.proc import (
     atomic_write_json,
     is_alive,
+    is_exiting,
     process_ref,
     read_json,
     read_stat,
@@ -84,6 +85,22 @@ def test_is_alive_checks_identity_and_zombies(sleeper: subprocess.Popen[bytes]) 
     assert not is_alive(ref)
     with pytest.raises(ProcessLookupError):
         process_ref(sleeper.pid)
+
+
+def test_is_exiting_from_the_kill_on(sleeper: subprocess.Popen[bytes]) -> None:
+    # The moment between the kill and the zombie (PF_EXITING: files being closed) is too short
+    # to catch here; tests/sandbox/test_sandbox_faults.py meets it through a killed agent.
+    ref = process_ref(sleeper.pid)
+    assert not is_exiting(ref)
+    assert is_exiting(ProcessRef(sleeper.pid, ref.start_time + 1))  # a reused pid
+    os.kill(sleeper.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while read_stat(sleeper.pid)[0] != "Z":
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert is_exiting(ref)
+    sleeper.wait()
+    assert is_exiting(ref)
 
 
 def test_signal_process_spares_a_different_process(sleeper: subprocess.Popen[bytes]) -> None:

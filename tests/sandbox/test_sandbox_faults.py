@@ -122,6 +122,32 @@ async def test_agent_killed_mid_transfer_fails_that_connection_then_it_is_restar
         await session.aclose()
 
 
+@pytest.mark.parametrize("victim", ["agent", "shim"])
+async def test_a_kill_while_the_connection_is_idle_reads_as_an_error(
+    cri: pb_grpc.RuntimeServiceStub, pods: Pods, sandbox_runtime: RuntimeDaemon, victim: str
+) -> None:
+    # Nothing unread in the dying process's unix sockets: the kernel ends them with EOF, not a
+    # reset, so only asking the shim tells this end from the pod closing the connection.
+    pod = await echo_pod(pods, f"sb-idle-{victim}")
+    session = await port_forward(cri, pod, [ECHO_PORT])
+    try:
+        forwarded = await session.open(ECHO_PORT)
+        await forwarded.data.send(b"ping")
+        assert await forwarded.data.receive() == b"ping"
+        if victim == "agent":
+            os.kill((await shim_stats(sandbox_runtime, pod)).agent_pid, signal.SIGKILL)
+        else:
+            assert signal_process(ref(await pod_info(cri, pod), "sandbox_shim"), signal.SIGKILL)
+        async with asyncio.timeout(WAIT_SECONDS):
+            with contextlib.suppress(StreamError):
+                assert await forwarded.data.receive() == b""
+            error = await forwarded.error()
+        prefix = f"error forwarding port {ECHO_PORT} to pod {pod.id}, uid {pod.uid}: "
+        assert error.startswith(prefix + "the connection through the sandbox agent broke: "), error
+    finally:
+        await session.aclose()
+
+
 async def test_shim_killed_mid_transfer_fails_only_its_streams(
     cri: pb_grpc.RuntimeServiceStub, pods: Pods, sandbox_runtime: RuntimeDaemon
 ) -> None:

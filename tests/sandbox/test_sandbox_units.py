@@ -27,7 +27,11 @@ def test_port_forward_request_keeps_containerd_4814_numbering() -> None:
     service = shim_pb2.DESCRIPTOR.services_by_name["Shim"]
     assert service.full_name == "podgate.shim.v1.Shim"
     method = service.methods_by_name["PortForward"]
-    assert method.output_type.full_name == "google.protobuf.Empty"
+    # The reply extends PR #4814's Empty: an Empty's bytes (none) decode as a reply with no
+    # agent generation, and a bare reply encodes as an Empty does.
+    assert method.output_type.full_name == "podgate.shim.v1.PortForwardResponse"
+    assert shim_pb2.PortForwardResponse.FromString(b"").agent_generation == 0
+    assert shim_pb2.PortForwardResponse().SerializeToString() == b""
     # The encoding of {id: "a", port: 8080, addr: "unix:///x"}, field by field.
     encoded = shim_pb2.PortForwardRequest(id="a", port=8080, addr="unix:///x").SerializeToString()
     assert encoded == b"\x0a\x01a" + b"\x10\x90\x3f" + b"\x1a\x09unix:///x"

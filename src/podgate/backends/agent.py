@@ -16,6 +16,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Final
 
+from google.protobuf.message import DecodeError
+
 from podgate.aio.errors import BrokenStreamError, ConnectError, ForwardError
 from podgate.aio.streams import DEFAULT_RECEIVE_BYTES, Buffer, ByteStream, SocketStream
 from podgate.aio.ttrpc import TtrpcClient, TtrpcClosedError
@@ -53,7 +55,7 @@ class AgentBackend:
             listener.bind(str(path))
             listener.listen(1)
             listener.setblocking(False)
-            await self._port_forward(pod, port, f"unix://{path}", protocol)
+            generation = await self._port_forward(pod, port, f"unix://{path}", protocol)
             try:
                 async with asyncio.timeout(ACCEPT_TIMEOUT_SECONDS):
                     conn, _ = await asyncio.get_running_loop().sock_accept(listener)
@@ -62,9 +64,31 @@ class AgentBackend:
         finally:
             listener.close()
             path.unlink(missing_ok=True)
-        return _AgentStream(await SocketStream.from_socket(conn), pod, port)
+        stream = await SocketStream.from_socket(conn)
+        return _AgentStream(stream, pod, port, lambda: self._broken_since(pod, generation))
 
-    async def _port_forward(self, pod: PodRecord, port: int, addr: str, protocol: str) -> None:
+    async def _broken_since(self, pod: PodRecord, generation: int) -> str | None:
+        """Why a connection made under agent `generation` cannot have ended cleanly, if so.
+
+        A dial-back is a unix socket: a peer killed with nothing unread in its socket leaves
+        EOF, not a reset. So at EOF the shim is asked whether its agent has since exited."""
+        if not generation:
+            return None  # a shim that does not report its agent: EOF is all there is
+        client = self._clients.get(pod.id)
+        if client is None or client.closed:
+            return "the sandbox shim went away"
+        try:
+            reply = await client.call(SHIM_SERVICE, "Stats", b"", timeout=ACCEPT_TIMEOUT_SECONDS)
+            stats = shim_pb2.StatsResponse.FromString(reply)
+        except TtrpcClosedError:
+            return "the sandbox shim went away"
+        except (TtrpcError, DecodeError, TimeoutError) as exc:
+            return f"the sandbox shim did not confirm the end: {exc}"
+        if not stats.agent_pid or stats.agent_starts != generation:
+            return "the sandbox agent exited"
+        return None
+
+    async def _port_forward(self, pod: PodRecord, port: int, addr: str, protocol: str) -> int:
         # TCP requests stay byte for byte what containerd PR #4814 sends.
         request = shim_pb2.PortForwardRequest(
             id=pod.id, port=port, addr=addr, protocol="" if protocol == "tcp" else protocol
@@ -72,13 +96,16 @@ class AgentBackend:
         for attempt in range(2):
             client = await self._client(pod)
             try:
-                await client.call(
+                reply = await client.call(
                     SHIM_SERVICE,
                     "PortForward",
                     request.SerializeToString(),
                     timeout=CALL_TIMEOUT_SECONDS,
                 )
-                return
+                try:
+                    return shim_pb2.PortForwardResponse.FromString(reply).agent_generation
+                except DecodeError:
+                    return 0  # not podgate's reply: EOF is taken as it comes
             except TtrpcClosedError as exc:
                 # A connection to a shim that has since died: once more, on a new one.
                 self._clients.pop(pod.id, None)
@@ -95,6 +122,7 @@ class AgentBackend:
                 if exc.code == Code.UNAVAILABLE:
                     raise BackendUnavailableError(exc.message) from exc
                 raise BackendError(exc.message) from exc
+        raise AssertionError("unreachable: the second attempt returns or raises")
 
     async def _client(self, pod: PodRecord) -> TtrpcClient:
         for pod_id in [k for k, c in self._clients.items() if c.closed]:
@@ -131,12 +159,19 @@ class AgentBackend:
 class _AgentStream(ByteStream):
     """The dial-back connection; a broken one is reported to the client, not taken for EOF."""
 
-    def __init__(self, inner: SocketStream, pod: PodRecord, port: int) -> None:
+    def __init__(
+        self,
+        inner: SocketStream,
+        pod: PodRecord,
+        port: int,
+        broken: Callable[[], Awaitable[str | None]],
+    ) -> None:
         self._inner = inner
         self._pod = pod
         self._port = port
+        self._broken = broken
 
-    def _lost(self, exc: BrokenStreamError) -> ForwardError:
+    def _lost(self, exc: BrokenStreamError | str) -> ForwardError:
         reason = f"the connection through the sandbox agent broke: {exc}"
         return ForwardError(
             forward_error_message(self._port, self._pod.id, self._pod.metadata.uid, reason)
@@ -144,9 +179,12 @@ class _AgentStream(ByteStream):
 
     async def receive(self, max_bytes: int = DEFAULT_RECEIVE_BYTES) -> bytes:
         try:
-            return await self._inner.receive(max_bytes)
+            data = await self._inner.receive(max_bytes)
         except BrokenStreamError as exc:
             raise self._lost(exc) from exc
+        if not data and (why := await self._broken()) is not None:
+            raise self._lost(why)
+        return data
 
     async def send(self, data: Buffer) -> None:
         try:

@@ -34,13 +34,17 @@ _READY_POLL_SECONDS: Final = 0.01
 _LOG_TAIL_BYTES: Final = 2048
 # /proc/<pid>/stat: fields after "(comm)" start at field 3 (state); start time is field 22.
 _FIRST_FIELD_AFTER_COMM: Final = 3
+_FLAGS_FIELD: Final = 9
 _STARTTIME_FIELD: Final = 22
+# task->flags bit set as soon as a process starts to exit, before the kernel closes its files:
+# a peer that sees one of its sockets end can tell a dying process from a live one.
+_PF_EXITING: Final = 0x4
 # States of a process that has exited (zombie) or is being torn down (dead).
 _GONE_STATES: Final = frozenset({"Z", "X", "x"})
 
 
-def read_stat(pid: int) -> tuple[str, int]:
-    """(state letter, start time in clock ticks) of `pid`; ProcessLookupError if none.
+def _stat_fields(pid: int) -> list[bytes]:
+    """/proc/<pid>/stat's fields from field 3 (state) on; ProcessLookupError if none.
 
     comm is in parentheses and may itself hold spaces and parentheses, so the fields are
     taken after the LAST ')'.
@@ -50,9 +54,27 @@ def read_stat(pid: int) -> tuple[str, int]:
             raw = f.read()
     except (FileNotFoundError, ProcessLookupError):
         raise ProcessLookupError(pid) from None
-    rest = raw[raw.rindex(b")") + 2 :].split()
-    state = rest[0].decode("ascii")
-    return state, int(rest[_STARTTIME_FIELD - _FIRST_FIELD_AFTER_COMM])
+    return raw[raw.rindex(b")") + 2 :].split()
+
+
+def read_stat(pid: int) -> tuple[str, int]:
+    """(state letter, start time in clock ticks) of `pid`; ProcessLookupError if none."""
+    rest = _stat_fields(pid)
+    return rest[0].decode("ascii"), int(rest[_STARTTIME_FIELD - _FIRST_FIELD_AFTER_COMM])
+
+
+def is_exiting(ref: ProcessRef) -> bool:
+    """True if `ref` is gone, a zombie, or on its way out (killed, its files being closed)."""
+    try:
+        rest = _stat_fields(ref.pid)
+    except ProcessLookupError:
+        return True
+    flags = int(rest[_FLAGS_FIELD - _FIRST_FIELD_AFTER_COMM])
+    return (
+        int(rest[_STARTTIME_FIELD - _FIRST_FIELD_AFTER_COMM]) != ref.start_time
+        or rest[0].decode("ascii") in _GONE_STATES
+        or bool(flags & _PF_EXITING)
+    )
 
 
 def process_ref(pid: int) -> ProcessRef:

@@ -42,7 +42,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from google.protobuf import empty_pb2
 from google.protobuf.message import DecodeError
 
 from podgate.agent import agent_pb2
@@ -58,6 +57,7 @@ from podgate.linux.proc import (
     SpawnError,
     atomic_write_json,
     is_alive,
+    is_exiting,
     process_ref,
     wait_ready_file,
 )
@@ -237,6 +237,8 @@ class SandboxShim:
         self._relays: set[_Relay] = set()
         self._tasks = TaskSet("sandbox shim", log)
         self._agent_proc: asyncio.subprocess.Process | None = None
+        # The running agent, once healthy: Stats checks it is not exiting (see get_stats).
+        self._agent_ref: ProcessRef | None = None
         self._vmm_proc: asyncio.subprocess.Process | None = None
         self._agent: TtrpcClient | None = None
         self._agent_up = asyncio.Event()
@@ -364,8 +366,7 @@ class SandboxShim:
         except ShimStartError:
             await self._stop_vm()
             raise
-        self.stats.agent_pid = self._agent_proc.pid
-        self._agent_up.set()
+        self._agent_running(self._agent_proc.pid)
         self._spawn_task(self._supervise(), "supervisor")
 
     async def _supervise(self) -> None:
@@ -396,14 +397,22 @@ class SandboxShim:
                 backoff = min(backoff * 2, RESTART_BACKOFF_MAX_SECONDS)
                 continue
             backoff = RESTART_BACKOFF_SECONDS
-            self.stats.agent_pid = self._agent_proc.pid
-            self._agent_up.set()
+            self._agent_running(self._agent_proc.pid)
             log.info("agent running again as pid %d", self._agent_proc.pid)
+
+    def _agent_running(self, pid: int) -> None:
+        try:
+            self._agent_ref = process_ref(pid)
+        except ProcessLookupError:
+            self._agent_ref = None  # already gone: the supervisor restarts it
+        self.stats.agent_pid = pid
+        self._agent_up.set()
 
     def _agent_down(self, reason: str) -> None:
         if self._agent_up.is_set():
             log.warning("%s; aborting %d connections", reason, len(self._relays))
         self._agent_up.clear()
+        self._agent_ref = None
         self.stats.agent_pid = 0
         for relay in list(self._relays):
             relay.abort()
@@ -547,7 +556,9 @@ class SandboxShim:
                 if arrival is not None:
                     arrival.done.set()  # its listener closes it
                 self._release(pool)
-        return empty_pb2.Empty().SerializeToString()
+        return shim_pb2.PortForwardResponse(
+            agent_generation=self.stats.agent_starts
+        ).SerializeToString()
 
     async def _ask_agent(
         self,
@@ -648,7 +659,14 @@ class SandboxShim:
             self._release(pool)
 
     async def get_stats(self, payload: bytes, context: RequestContext) -> bytes:
-        return self.stats.SerializeToString()
+        stats = self.stats
+        if self._agent_ref is None or is_exiting(self._agent_ref):
+            # Killed but not yet reaped: the kernel closes its sockets (which a caller may
+            # already have read as EOF) before the supervisor hears of the exit.
+            stats = shim_pb2.StatsResponse()
+            stats.CopyFrom(self.stats)
+            stats.agent_pid = 0
+        return stats.SerializeToString()
 
     def _spawn_task(self, coro: Coroutine[Any, Any, None], name: str) -> None:
         self._tasks.spawn(coro, name=name)

@@ -135,6 +135,16 @@ class RuntimeServiceStub:
                 request_serializer=podgate_dot_cri_dot_api__pb2.ListContainerStatsRequest.SerializeToString,
                 response_deserializer=podgate_dot_cri_dot_api__pb2.ListContainerStatsResponse.FromString,
                 _registered_method=True)
+        self.PodSandboxStats = channel.unary_unary(
+                '/runtime.v1.RuntimeService/PodSandboxStats',
+                request_serializer=podgate_dot_cri_dot_api__pb2.PodSandboxStatsRequest.SerializeToString,
+                response_deserializer=podgate_dot_cri_dot_api__pb2.PodSandboxStatsResponse.FromString,
+                _registered_method=True)
+        self.ListPodSandboxStats = channel.unary_unary(
+                '/runtime.v1.RuntimeService/ListPodSandboxStats',
+                request_serializer=podgate_dot_cri_dot_api__pb2.ListPodSandboxStatsRequest.SerializeToString,
+                response_deserializer=podgate_dot_cri_dot_api__pb2.ListPodSandboxStatsResponse.FromString,
+                _registered_method=True)
         self.UpdateRuntimeConfig = channel.unary_unary(
                 '/runtime.v1.RuntimeService/UpdateRuntimeConfig',
                 request_serializer=podgate_dot_cri_dot_api__pb2.UpdateRuntimeConfigRequest.SerializeToString,
@@ -144,6 +154,11 @@ class RuntimeServiceStub:
                 '/runtime.v1.RuntimeService/Status',
                 request_serializer=podgate_dot_cri_dot_api__pb2.StatusRequest.SerializeToString,
                 response_deserializer=podgate_dot_cri_dot_api__pb2.StatusResponse.FromString,
+                _registered_method=True)
+        self.GetContainerEvents = channel.unary_stream(
+                '/runtime.v1.RuntimeService/GetContainerEvents',
+                request_serializer=podgate_dot_cri_dot_api__pb2.GetEventsRequest.SerializeToString,
+                response_deserializer=podgate_dot_cri_dot_api__pb2.ContainerEventResponse.FromString,
                 _registered_method=True)
         self.RuntimeConfig = channel.unary_unary(
                 '/runtime.v1.RuntimeService/RuntimeConfig',
@@ -276,6 +291,18 @@ class RuntimeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PodSandboxStats(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListPodSandboxStats(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def UpdateRuntimeConfig(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -284,6 +311,13 @@ class RuntimeServiceServicer:
 
     def Status(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetContainerEvents(self, request, context):
+        """A server stream of container lifecycle events (the kubelet's evented PLEG).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -397,6 +431,16 @@ def add_RuntimeServiceServicer_to_server(servicer, server):
                     request_deserializer=podgate_dot_cri_dot_api__pb2.ListContainerStatsRequest.FromString,
                     response_serializer=podgate_dot_cri_dot_api__pb2.ListContainerStatsResponse.SerializeToString,
             ),
+            'PodSandboxStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.PodSandboxStats,
+                    request_deserializer=podgate_dot_cri_dot_api__pb2.PodSandboxStatsRequest.FromString,
+                    response_serializer=podgate_dot_cri_dot_api__pb2.PodSandboxStatsResponse.SerializeToString,
+            ),
+            'ListPodSandboxStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListPodSandboxStats,
+                    request_deserializer=podgate_dot_cri_dot_api__pb2.ListPodSandboxStatsRequest.FromString,
+                    response_serializer=podgate_dot_cri_dot_api__pb2.ListPodSandboxStatsResponse.SerializeToString,
+            ),
             'UpdateRuntimeConfig': grpc.unary_unary_rpc_method_handler(
                     servicer.UpdateRuntimeConfig,
                     request_deserializer=podgate_dot_cri_dot_api__pb2.UpdateRuntimeConfigRequest.FromString,
@@ -406,6 +450,11 @@ def add_RuntimeServiceServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=podgate_dot_cri_dot_api__pb2.StatusRequest.FromString,
                     response_serializer=podgate_dot_cri_dot_api__pb2.StatusResponse.SerializeToString,
+            ),
+            'GetContainerEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetContainerEvents,
+                    request_deserializer=podgate_dot_cri_dot_api__pb2.GetEventsRequest.FromString,
+                    response_serializer=podgate_dot_cri_dot_api__pb2.ContainerEventResponse.SerializeToString,
             ),
             'RuntimeConfig': grpc.unary_unary_rpc_method_handler(
                     servicer.RuntimeConfig,
@@ -965,6 +1014,60 @@ class RuntimeService:
             _registered_method=True)
 
     @staticmethod
+    def PodSandboxStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/runtime.v1.RuntimeService/PodSandboxStats',
+            podgate_dot_cri_dot_api__pb2.PodSandboxStatsRequest.SerializeToString,
+            podgate_dot_cri_dot_api__pb2.PodSandboxStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListPodSandboxStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/runtime.v1.RuntimeService/ListPodSandboxStats',
+            podgate_dot_cri_dot_api__pb2.ListPodSandboxStatsRequest.SerializeToString,
+            podgate_dot_cri_dot_api__pb2.ListPodSandboxStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def UpdateRuntimeConfig(request,
             target,
             options=(),
@@ -1008,6 +1111,33 @@ class RuntimeService:
             '/runtime.v1.RuntimeService/Status',
             podgate_dot_cri_dot_api__pb2.StatusRequest.SerializeToString,
             podgate_dot_cri_dot_api__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetContainerEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/runtime.v1.RuntimeService/GetContainerEvents',
+            podgate_dot_cri_dot_api__pb2.GetEventsRequest.SerializeToString,
+            podgate_dot_cri_dot_api__pb2.ContainerEventResponse.FromString,
             options,
             channel_credentials,
             insecure,

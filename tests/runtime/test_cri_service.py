@@ -46,6 +46,7 @@ from podgate.runtime.api import (
     InvalidArgumentError,
     NotFoundError,
     PodConfig,
+    PodUsage,
     ResourceExhaustedError,
     RuntimeApi,
     RuntimeCondition,
@@ -53,6 +54,7 @@ from podgate.runtime.api import (
 from podgate.runtime.cri import convert
 from podgate.runtime.cri.errors import status_code
 from podgate.runtime.cri.service import serve_cri, stop_cri
+from podgate.runtime.events import ContainerEvents
 
 CREATED_BASE = 1_700_000_000_123_456_789  # arbitrary creation time, ns
 STREAM_BASE = "http://127.0.0.1:10010"
@@ -80,6 +82,7 @@ class FakeRuntime:
         self.next_additional_ips = ["fd00:10:88::7"]
         self.pod_cidr = ""
         self._count = 0
+        self.events = ContainerEvents()
 
     def _call(self, method: str, *args: Any) -> None:
         self.calls.append((method, args))
@@ -212,6 +215,10 @@ class FakeRuntime:
     def port_forward_url(self, pod_id: str, ports: Sequence[int]) -> str:
         self._call("port_forward_url", pod_id, list(ports))
         return f"{STREAM_BASE}/portforward/AbCdEf03"
+
+    async def pod_usage(self, pod: PodRecord) -> PodUsage:
+        self._call("pod_usage", pod.id)
+        return PodUsage(timestamp=CREATED_BASE)
 
     def conditions(self) -> list[RuntimeCondition]:
         self._call("conditions")
@@ -382,6 +389,9 @@ def test_package_and_service_names_are_upstream() -> None:
         "PortForward",
         "ContainerStats",
         "ListContainerStats",
+        "PodSandboxStats",
+        "ListPodSandboxStats",
+        "GetContainerEvents",
         "RuntimeConfig",
     }
     assert runtime.methods_by_name["Exec"].input_type.full_name == "runtime.v1.ExecRequest"
@@ -1100,13 +1110,28 @@ async def test_image_fs_info_reports_the_image_store(cri: Cri) -> None:
 # ----------------------------------------------------------------------------- socket
 
 
-async def test_unserved_methods_are_unimplemented(cri: Cri) -> None:
-    stats = cri.channel.unary_unary(
-        "/runtime.v1.RuntimeService/PodSandboxStats",
-        request_serializer=lambda b: b,
-        response_deserializer=lambda b: b,
-    )
-    await expect_status(stats(b""), grpc.StatusCode.UNIMPLEMENTED)
+async def test_unserved_methods_are_unimplemented_and_logged_once(
+    cri: Cri, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="podgate.runtime.cri.errors")
+    names = ("CheckpointContainer", "ListMetricDescriptors")
+    for name in (*names, *names, *names):
+        call = cri.channel.unary_unary(
+            f"/runtime.v1.RuntimeService/{name}",
+            request_serializer=lambda b: b,
+            response_deserializer=lambda b: b,
+        )
+        details = await expect_status(call(b""), grpc.StatusCode.UNIMPLEMENTED)
+        assert name in details
+    pull = pb.PullImageRequest(image=pb.ImageSpec(image="busybox:1.36"))
+    for _ in range(2):
+        await expect_status(cri.img.PullImage(pull), grpc.StatusCode.UNIMPLEMENTED)
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    for name in names:
+        [line] = [m for m in warned if f"/runtime.v1.RuntimeService/{name}" in m]
+        assert "not served by podgate" in line
+    [pull_line] = [m for m in warned if "PullImage" in m]
+    assert "no registry client" in pull_line
 
 
 async def test_socket_is_private_and_removed_on_stop(short_dir: str) -> None:

@@ -318,6 +318,8 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
         sub = self.runtime.events.subscribe()
         log.info("cri GetContainerEvents: subscriber joined (%d now)", len(self.runtime.events))
         try:
+            # Headers now: a client that has them knows it is subscribed.
+            await context.send_initial_metadata(())
             while (event := await sub.next()) is not None:
                 yield convert.container_event(event)
         except SubscriberLaggedError as exc:

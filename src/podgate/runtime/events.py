@@ -4,7 +4,8 @@ Publishing never waits: the runtime hands each event to every subscriber's queue
 A subscriber whose queue is full (it stopped reading) is ended, not waited for and not fed a
 gap: its stream fails with `SubscriberLaggedError` and the next reader must relist, which is
 what the kubelet's evented PLEG does when its stream breaks. (containerd 1.7 instead discards
-the event when its one shared channel is full; containerd 2.x queues without a bound.)
+new events once its one 1000-event channel is full; containerd 2.x queues without a bound and
+replays the last 5 minutes to a new subscriber. Nothing is replayed here.)
 
 Events carry snapshots of the pod and of its containers taken when the event happened, as
 containerd fills `pod_sandbox_status` and `containers_statuses`.

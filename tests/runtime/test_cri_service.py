@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 from podgate.cri import api_pb2 as pb
 from podgate.cri import api_pb2_grpc as pb_grpc
 from podgate.images.store import ImageStore
+from podgate.linux.netdev import InterfaceCounters
 from podgate.model import (
     ContainerMetadata,
     ContainerRecord,
@@ -54,7 +55,7 @@ from podgate.runtime.api import (
 from podgate.runtime.cri import convert
 from podgate.runtime.cri.errors import status_code
 from podgate.runtime.cri.service import serve_cri, stop_cri
-from podgate.runtime.events import ContainerEvents
+from podgate.runtime.events import ContainerEvent, ContainerEvents, ContainerEventType
 
 CREATED_BASE = 1_700_000_000_123_456_789  # arbitrary creation time, ns
 STREAM_BASE = "http://127.0.0.1:10010"
@@ -83,6 +84,7 @@ class FakeRuntime:
         self.pod_cidr = ""
         self._count = 0
         self.events = ContainerEvents()
+        self.usage = PodUsage(timestamp=CREATED_BASE)
 
     def _call(self, method: str, *args: Any) -> None:
         self.calls.append((method, args))
@@ -218,7 +220,7 @@ class FakeRuntime:
 
     async def pod_usage(self, pod: PodRecord) -> PodUsage:
         self._call("pod_usage", pod.id)
-        return PodUsage(timestamp=CREATED_BASE)
+        return self.usage
 
     def conditions(self) -> list[RuntimeCondition]:
         self._call("conditions")
@@ -647,6 +649,89 @@ async def test_list_pod_sandbox_filters(cri: Cri) -> None:
     assert await ids(pb.PodSandboxFilter(label_selector={"app": "web"}, state=ready)) == [web0]
     assert await ids(pb.PodSandboxFilter(label_selector={"app": "cache"})) == []
     assert await ids(pb.PodSandboxFilter(id=web0, state=notready)) == []
+
+
+def test_stats_and_event_field_numbers() -> None:
+    # Upstream runtime.v1: PodSandboxStatsFilter id 1, label_selector 2; NetworkUsage
+    # default_interface 2; LinuxPodSandboxStats process 4; ContainerEventResponse
+    # container_id 1, container_event_type 2, created_at 3; CONTAINER_STOPPED_EVENT = 2.
+    flt = pb.PodSandboxStatsFilter(id="p", label_selector={"a": "b"})
+    assert flt.SerializeToString() == bytes.fromhex("0a0170 1206 0a0161 120162")
+    network = pb.NetworkUsage(default_interface=pb.NetworkInterfaceUsage(name="e"))
+    assert network.SerializeToString() == bytes.fromhex("1203 0a0165")
+    linux = pb.LinuxPodSandboxStats(process=pb.ProcessUsage(timestamp=1))
+    assert linux.SerializeToString() == bytes.fromhex("22020801")
+    event = pb.ContainerEventResponse(
+        container_id="c", container_event_type=pb.CONTAINER_STOPPED_EVENT, created_at=5
+    )
+    assert event.SerializeToString() == bytes.fromhex("0a0163 1002 1805")
+
+
+async def test_pod_sandbox_stats_convert_and_filter(cri: Cri) -> None:
+    web = await run_pod(cri, "web-0", labels={"app": "web"})
+    db = await run_pod(cri, "db-0", labels={"app": "db"})
+    gone = await run_pod(cri, "old-0", labels={"app": "web"})
+    await cri.rt.StopPodSandbox(pb.StopPodSandboxRequest(pod_sandbox_id=gone))
+    cri.runtime.usage = PodUsage(
+        timestamp=CREATED_BASE,
+        cpu_usage_ns=7,
+        memory_working_set=11,
+        processes=3,
+        default_interface=InterfaceCounters("eth0", 1, 2, 3, 4),
+        interfaces=[InterfaceCounters("lo", 5, 0, 5, 0)],
+    )
+    stats = (await cri.rt.PodSandboxStats(pb.PodSandboxStatsRequest(pod_sandbox_id=web))).stats
+    assert stats.attributes.id == web and stats.attributes.metadata.name == "web-0"
+    assert dict(stats.attributes.labels) == {"app": "web"}
+    linux = stats.linux
+    assert (linux.cpu.timestamp, linux.cpu.usage_core_nano_seconds.value) == (CREATED_BASE, 7)
+    assert not linux.cpu.HasField("usage_nano_cores")  # unknown is absent, not zero
+    assert linux.memory.working_set_bytes.value == 11
+    assert linux.process.process_count.value == 3
+    eth0 = linux.network.default_interface
+    assert (eth0.name, eth0.rx_bytes.value, eth0.rx_errors.value) == ("eth0", 1, 2)
+    assert (eth0.tx_bytes.value, eth0.tx_errors.value) == (3, 4)
+    assert [i.name for i in linux.network.interfaces] == ["lo"]
+
+    async def ids(flt: pb.PodSandboxStatsFilter) -> list[str]:
+        response = await cri.rt.ListPodSandboxStats(pb.ListPodSandboxStatsRequest(filter=flt))
+        return sorted(s.attributes.id for s in response.stats)
+
+    assert await ids(pb.PodSandboxStatsFilter()) == sorted([web, db])  # ready pods only
+    assert await ids(pb.PodSandboxStatsFilter(id=db[:7])) == [db]
+    assert await ids(pb.PodSandboxStatsFilter(label_selector={"app": "web"})) == [web]
+    assert await ids(pb.PodSandboxStatsFilter(id="nope")) == []
+    await expect_status(
+        cri.rt.PodSandboxStats(pb.PodSandboxStatsRequest()), grpc.StatusCode.INVALID_ARGUMENT
+    )
+
+
+async def test_container_events_stream_until_the_hub_closes(cri: Cri) -> None:
+    pod_id = await run_pod(cri)
+    container_id = await create_container(cri, pod_id)
+    pod = cri.runtime.pods[pod_id]
+    container = cri.runtime.containers[container_id]
+    call = cri.rt.GetContainerEvents(pb.GetEventsRequest())
+    await call.initial_metadata()  # subscribed
+    for n, kind in enumerate((ContainerEventType.CREATED, ContainerEventType.DELETED)):
+        cri.runtime.events.publish(
+            ContainerEvent(container_id, kind, CREATED_BASE + n, pod, (container,))
+        )
+    first = await call.read()
+    second = await call.read()
+    assert isinstance(first, pb.ContainerEventResponse)
+    assert isinstance(second, pb.ContainerEventResponse)
+    assert (first.container_id, first.container_event_type) == (
+        container_id,
+        pb.CONTAINER_CREATED_EVENT,
+    )
+    assert first.created_at == CREATED_BASE
+    assert first.pod_sandbox_status.id == pod_id
+    assert [s.id for s in first.containers_statuses] == [container_id]
+    assert second.container_event_type == pb.CONTAINER_DELETED_EVENT
+    await cri.runtime.events.aclose()  # what the daemon does before stopping the server
+    assert await call.read() is grpc.aio.EOF
+    assert await call.code() == grpc.StatusCode.OK
 
 
 # ----------------------------------------------------------------------------- containers

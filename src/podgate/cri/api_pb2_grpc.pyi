@@ -62,6 +62,7 @@ class RuntimeServiceStub:
     UpdateRuntimeConfig: _grpc.UnaryUnaryMultiCallable[_api_pb2.UpdateRuntimeConfigRequest, _api_pb2.UpdateRuntimeConfigResponse]
     Status: _grpc.UnaryUnaryMultiCallable[_api_pb2.StatusRequest, _api_pb2.StatusResponse]
     RuntimeConfig: _grpc.UnaryUnaryMultiCallable[_api_pb2.RuntimeConfigRequest, _api_pb2.RuntimeConfigResponse]
+    UpdatePodSandboxResources: _grpc.UnaryUnaryMultiCallable[_api_pb2.UpdatePodSandboxResourcesRequest, _api_pb2.UpdatePodSandboxResourcesResponse]
 
 @_typing.type_check_only
 class RuntimeServiceAsyncStub(RuntimeServiceStub):
@@ -91,6 +92,7 @@ class RuntimeServiceAsyncStub(RuntimeServiceStub):
     UpdateRuntimeConfig: _aio.UnaryUnaryMultiCallable[_api_pb2.UpdateRuntimeConfigRequest, _api_pb2.UpdateRuntimeConfigResponse]  # type: ignore[assignment]
     Status: _aio.UnaryUnaryMultiCallable[_api_pb2.StatusRequest, _api_pb2.StatusResponse]  # type: ignore[assignment]
     RuntimeConfig: _aio.UnaryUnaryMultiCallable[_api_pb2.RuntimeConfigRequest, _api_pb2.RuntimeConfigResponse]  # type: ignore[assignment]
+    UpdatePodSandboxResources: _aio.UnaryUnaryMultiCallable[_api_pb2.UpdatePodSandboxResourcesRequest, _api_pb2.UpdatePodSandboxResourcesResponse]  # type: ignore[assignment]
 
 class RuntimeServiceServicer(metaclass=_abc_1.ABCMeta):
     """Runtime service defines the public APIs for remote container runtimes."""
@@ -255,6 +257,13 @@ class RuntimeServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _api_pb2.RuntimeConfigRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_api_pb2.RuntimeConfigResponse, _abc.Awaitable[_api_pb2.RuntimeConfigResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def UpdatePodSandboxResources(
+        self,
+        request: _api_pb2.UpdatePodSandboxResourcesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_api_pb2.UpdatePodSandboxResourcesResponse, _abc.Awaitable[_api_pb2.UpdatePodSandboxResourcesResponse]]: ...
 
 def add_RuntimeServiceServicer_to_server(servicer: RuntimeServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

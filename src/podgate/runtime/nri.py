@@ -27,6 +27,10 @@ UpdateContainerResources through UpdateContainer/PostUpdateContainer) reach the 
 a `ContainerUpdater`: new limits into config.json and the live cgroup (`runc update`).
 Evictions stop the container without a StopContainer event: they arrive while the adaptation
 delivers another event, and the event would wait for that one to finish.
+
+Pod updates (CRI UpdatePodSandboxResources) are split around the runtime's change: UpdatePodSandbox
+before it (a plugin's error fails the call), PostUpdatePodSandbox after it, with the pod as it
+then is.
 """
 
 from __future__ import annotations

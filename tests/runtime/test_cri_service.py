@@ -230,6 +230,13 @@ class FakeRuntime:
         self._call("update_runtime_config", pod_cidr)
         self.pod_cidr = pod_cidr
 
+    async def update_pod_resources(
+        self, pod_id: str, overhead: Mapping[str, object], resources: Mapping[str, object]
+    ) -> None:
+        self._call("update_pod_resources", pod_id, dict(overhead), dict(resources))
+        pod = self._lookup(self.pods, pod_id, "pod")
+        pod.overhead, pod.resources = dict(overhead), dict(resources)
+
     def called(self, method: str) -> list[tuple[Any, ...]]:
         return [args for name, args in self.calls if name == method]
 
@@ -395,6 +402,7 @@ def test_package_and_service_names_are_upstream() -> None:
         "ListPodSandboxStats",
         "GetContainerEvents",
         "RuntimeConfig",
+        "UpdatePodSandboxResources",
     }
     assert runtime.methods_by_name["Exec"].input_type.full_name == "runtime.v1.ExecRequest"
     assert {m.name for m in image.methods} == {
@@ -411,6 +419,18 @@ def test_exec_request_field_numbers() -> None:
     request = pb.ExecRequest(container_id="c", cmd=["sh"], tty=True, stdin=True, stdout=True)
     assert request.SerializeToString() == b"\x0a\x01c\x12\x02sh\x18\x01\x20\x01\x28\x01"
     assert pb.ExecRequest(stderr=True).SerializeToString() == b"\x30\x01"
+
+
+def test_update_pod_sandbox_resources_field_numbers() -> None:
+    # Upstream: pod_sandbox_id = 1, overhead = 2, resources = 3 (LinuxContainerResources, whose
+    # cpu_shares is 3 and memory_limit_in_bytes 4); the response is empty.
+    request = pb.UpdatePodSandboxResourcesRequest(
+        pod_sandbox_id="p",
+        overhead=pb.LinuxContainerResources(cpu_shares=2),
+        resources=pb.LinuxContainerResources(memory_limit_in_bytes=1),
+    )
+    assert request.SerializeToString() == b"\x0a\x01p\x12\x02\x18\x02\x1a\x02\x20\x01"
+    assert pb.UpdatePodSandboxResourcesResponse().SerializeToString() == b""
 
 
 def test_attach_request_numbers_differ_from_exec() -> None:
@@ -604,6 +624,34 @@ async def test_remove_pod_sandbox_then_status_is_not_found(cri: Cri) -> None:
         grpc.StatusCode.NOT_FOUND,
     )
     assert pod_id in details
+
+
+async def test_update_pod_sandbox_resources_passes_both_sets(cri: Cri) -> None:
+    pod_id = await run_pod(cri)
+    await cri.rt.UpdatePodSandboxResources(
+        pb.UpdatePodSandboxResourcesRequest(
+            pod_sandbox_id=pod_id[:6],
+            overhead=pb.LinuxContainerResources(cpu_shares=10, memory_limit_in_bytes=1 << 20),
+            resources=pb.LinuxContainerResources(
+                cpu_period=100000, cpu_quota=50000, memory_limit_in_bytes=64 << 20
+            ),
+        )
+    )
+    assert cri.runtime.called("update_pod_resources") == [
+        (
+            pod_id[:6],
+            {"cpu_shares": 10, "memory_limit_in_bytes": 1 << 20},
+            {"cpu_period": 100000, "cpu_quota": 50000, "memory_limit_in_bytes": 64 << 20},
+        )
+    ]
+
+
+async def test_update_pod_sandbox_resources_needs_a_pod_id(cri: Cri) -> None:
+    await expect_status(
+        cri.rt.UpdatePodSandboxResources(pb.UpdatePodSandboxResourcesRequest()),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    )
+    assert cri.runtime.called("update_pod_resources") == []
 
 
 async def test_list_pod_sandbox_items(cri: Cri) -> None:

@@ -4294,3 +4294,47 @@ class LinuxRuntimeConfiguration(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___LinuxRuntimeConfiguration: _TypeAlias = LinuxRuntimeConfiguration  # noqa: Y015
+
+@_typing.final
+class UpdatePodSandboxResourcesRequest(_message.Message):
+    """---------------------------------------------------------------- pod-level resources"""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POD_SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    OVERHEAD_FIELD_NUMBER: _builtins.int
+    RESOURCES_FIELD_NUMBER: _builtins.int
+    pod_sandbox_id: _builtins.str
+    @_builtins.property
+    def overhead(self) -> Global___LinuxContainerResources: ...
+    @_builtins.property
+    def resources(self) -> Global___LinuxContainerResources: ...
+    def __init__(
+        self,
+        *,
+        pod_sandbox_id: _builtins.str = ...,
+        overhead: Global___LinuxContainerResources | None = ...,
+        resources: Global___LinuxContainerResources | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["overhead", b"overhead", "resources", b"resources"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["overhead", b"overhead", "pod_sandbox_id", b"pod_sandbox_id", "resources", b"resources"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UpdatePodSandboxResourcesRequest: _TypeAlias = UpdatePodSandboxResourcesRequest  # noqa: Y015
+
+@_typing.final
+class UpdatePodSandboxResourcesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UpdatePodSandboxResourcesResponse: _TypeAlias = UpdatePodSandboxResourcesResponse  # noqa: Y015

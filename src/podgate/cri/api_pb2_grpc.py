@@ -165,6 +165,11 @@ class RuntimeServiceStub:
                 request_serializer=podgate_dot_cri_dot_api__pb2.RuntimeConfigRequest.SerializeToString,
                 response_deserializer=podgate_dot_cri_dot_api__pb2.RuntimeConfigResponse.FromString,
                 _registered_method=True)
+        self.UpdatePodSandboxResources = channel.unary_unary(
+                '/runtime.v1.RuntimeService/UpdatePodSandboxResources',
+                request_serializer=podgate_dot_cri_dot_api__pb2.UpdatePodSandboxResourcesRequest.SerializeToString,
+                response_deserializer=podgate_dot_cri_dot_api__pb2.UpdatePodSandboxResourcesResponse.FromString,
+                _registered_method=True)
 
 
 class RuntimeServiceServicer:
@@ -328,6 +333,12 @@ class RuntimeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpdatePodSandboxResources(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RuntimeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -460,6 +471,11 @@ def add_RuntimeServiceServicer_to_server(servicer, server):
                     servicer.RuntimeConfig,
                     request_deserializer=podgate_dot_cri_dot_api__pb2.RuntimeConfigRequest.FromString,
                     response_serializer=podgate_dot_cri_dot_api__pb2.RuntimeConfigResponse.SerializeToString,
+            ),
+            'UpdatePodSandboxResources': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdatePodSandboxResources,
+                    request_deserializer=podgate_dot_cri_dot_api__pb2.UpdatePodSandboxResourcesRequest.FromString,
+                    response_serializer=podgate_dot_cri_dot_api__pb2.UpdatePodSandboxResourcesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1165,6 +1181,33 @@ class RuntimeService:
             '/runtime.v1.RuntimeService/RuntimeConfig',
             podgate_dot_cri_dot_api__pb2.RuntimeConfigRequest.SerializeToString,
             podgate_dot_cri_dot_api__pb2.RuntimeConfigResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdatePodSandboxResources(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/runtime.v1.RuntimeService/UpdatePodSandboxResources',
+            podgate_dot_cri_dot_api__pb2.UpdatePodSandboxResourcesRequest.SerializeToString,
+            podgate_dot_cri_dot_api__pb2.UpdatePodSandboxResourcesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -69,6 +69,7 @@ class RuntimeServiceStub:
     GetContainerEvents: _grpc.UnaryStreamMultiCallable[_api_pb2.GetEventsRequest, _api_pb2.ContainerEventResponse]
     """A server stream of container lifecycle events (the kubelet's evented PLEG)."""
     RuntimeConfig: _grpc.UnaryUnaryMultiCallable[_api_pb2.RuntimeConfigRequest, _api_pb2.RuntimeConfigResponse]
+    UpdatePodSandboxResources: _grpc.UnaryUnaryMultiCallable[_api_pb2.UpdatePodSandboxResourcesRequest, _api_pb2.UpdatePodSandboxResourcesResponse]
 
 @_typing.type_check_only
 class RuntimeServiceAsyncStub(RuntimeServiceStub):
@@ -102,6 +103,7 @@ class RuntimeServiceAsyncStub(RuntimeServiceStub):
     GetContainerEvents: _aio.UnaryStreamMultiCallable[_api_pb2.GetEventsRequest, _api_pb2.ContainerEventResponse]  # type: ignore[assignment]
     """A server stream of container lifecycle events (the kubelet's evented PLEG)."""
     RuntimeConfig: _aio.UnaryUnaryMultiCallable[_api_pb2.RuntimeConfigRequest, _api_pb2.RuntimeConfigResponse]  # type: ignore[assignment]
+    UpdatePodSandboxResources: _aio.UnaryUnaryMultiCallable[_api_pb2.UpdatePodSandboxResourcesRequest, _api_pb2.UpdatePodSandboxResourcesResponse]  # type: ignore[assignment]
 
 class RuntimeServiceServicer(metaclass=_abc_1.ABCMeta):
     """Runtime service defines the public APIs for remote container runtimes."""
@@ -288,6 +290,13 @@ class RuntimeServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _api_pb2.RuntimeConfigRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_api_pb2.RuntimeConfigResponse, _abc.Awaitable[_api_pb2.RuntimeConfigResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def UpdatePodSandboxResources(
+        self,
+        request: _api_pb2.UpdatePodSandboxResourcesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_api_pb2.UpdatePodSandboxResourcesResponse, _abc.Awaitable[_api_pb2.UpdatePodSandboxResourcesResponse]]: ...
 
 def add_RuntimeServiceServicer_to_server(servicer: RuntimeServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from podgate.linux.netdev import InterfaceCounters
 from podgate.model import (
@@ -60,6 +60,8 @@ class PodConfig:
     privileged: bool = False
     dns: dict[str, list[str]] | None = None
     sysctls: dict[str, str] = field(default_factory=dict)
+    overhead: dict[str, Any] = field(default_factory=dict)  # CRI resources, zeros left out
+    resources: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -200,6 +202,13 @@ class RuntimeApi(Protocol):
         self, container_id: str, resources: Mapping[str, object]
     ) -> None:
         """Apply CRI LinuxContainerResources fields (zero = unchanged) and record them."""
+        ...
+
+    async def update_pod_resources(
+        self, pod_id: str, overhead: Mapping[str, object], resources: Mapping[str, object]
+    ) -> None:
+        """CRI UpdatePodSandboxResources: the pod-level resources recorded (and applied to a
+        pod cgroup podgate owns), with NRI UpdatePodSandbox / PostUpdatePodSandbox."""
         ...
 
     async def reopen_container_log(self, container_id: str) -> None:

@@ -287,6 +287,8 @@ class Runtime:
             privileged=config.privileged,
             dns=config.dns,
             sysctls=dict(config.sysctls),
+            overhead=dict(config.overhead),
+            resources=dict(config.resources),
         )
         try:
             sysctls = pod_sysctls(
@@ -817,6 +819,41 @@ class Runtime:
                 raise FailedPreconditionError(str(exc)) from exc
             container.spec.resources = merged
             self.store.save_container(container)
+
+    async def update_pod_resources(
+        self, pod_id: str, overhead: Mapping[str, object], resources: Mapping[str, object]
+    ) -> None:
+        """containerd's order: NRI UpdatePodSandbox (the pod as it is, the new resources beside
+        it; a plugin's error fails the call and changes nothing), then the change, then
+        PostUpdatePodSandbox with the pod as it now is. The request is the whole pod-level
+        state: what it leaves out is no longer set."""
+        pod = self.get_pod(pod_id)
+        new_overhead = {k: v for k, v in overhead.items() if v}
+        new_resources = {k: v for k, v in resources.items() if v}
+        if self.nri is not None:
+            try:
+                await self.nri.pod_updating(
+                    pod,
+                    nri_resources(new_overhead) if new_overhead else None,
+                    nri_resources(new_resources) if new_resources else None,
+                )
+            except Exception as exc:
+                raise FailedPreconditionError(f"NRI UpdatePodSandbox failed: {exc}") from exc
+        async with self._lock(pod.id):
+            # A sandboxed pod's containers run in its guest, not under this cgroup.
+            if pod.state is PodState.READY and not sandbox.is_sandboxed(pod):
+                try:
+                    await asyncio.to_thread(
+                        self.oci.limit_pod_cgroup, pod, new_overhead, new_resources
+                    )
+                except OSError as exc:
+                    raise FailedPreconditionError(
+                        f"failed to set the pod's cgroup limits: {exc}"
+                    ) from exc
+            pod.overhead, pod.resources = new_overhead, new_resources
+            self.store.save_pod(pod)
+        if self.nri is not None:
+            await self.nri.pod_updated(pod)
 
     async def apply_resources(self, container_id: str, resources: dict[str, Any]) -> None:
         """An NRI container update: a partial OCI `linux.resources` into config.json and, for

@@ -158,6 +158,8 @@ def pod_config(request: pb.RunPodSandboxRequest) -> PodConfig:
             else None
         ),
         sysctls=dict(config.linux.sysctls),
+        overhead=resources(config.linux.overhead),
+        resources=resources(config.linux.resources),
     )
 
 

@@ -103,6 +103,17 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
         )
 
     @cri_method
+    async def UpdatePodSandboxResources(
+        self, request: pb.UpdatePodSandboxResourcesRequest, context: Context
+    ) -> pb.UpdatePodSandboxResourcesResponse:
+        await self.runtime.update_pod_resources(
+            convert.require(request.pod_sandbox_id, "pod_sandbox_id"),
+            convert.resources(request.overhead),
+            convert.resources(request.resources),
+        )
+        return pb.UpdatePodSandboxResourcesResponse()
+
+    @cri_method
     async def UpdateRuntimeConfig(
         self, request: pb.UpdateRuntimeConfigRequest, context: Context
     ) -> pb.UpdateRuntimeConfigResponse:

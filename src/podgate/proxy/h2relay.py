@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -36,6 +36,8 @@ RECEIVE_BYTES: Final = 256 * 1024
 MAX_HEADER_LIST_BYTES: Final = 1024 * 1024
 # A request message read for an interception at most; a bigger one passes untouched.
 MAX_INSPECTED_MESSAGE_BYTES: Final = 1024 * 1024
+# Header blocks remembered with the :path they carry (see Relay._headers), at most.
+KNOWN_BLOCKS: Final = 256
 
 # Given the runtime's response message, the message to answer with (None: unchanged).
 Rewrite = Callable[[bytes], bytes | None]
@@ -75,6 +77,9 @@ class Relay:
         self.decoder = hpack.Decoder(max_header_list_size=MAX_HEADER_LIST_BYTES)
         self._block = bytearray()
         self._block_stream = 0
+        # Header blocks of indexed fields alone → their :path, valid while the dynamic table
+        # stays as it is: a client repeating a call sends the same few bytes each time.
+        self._known: dict[bytes, str | None] = {}
         # Bytes the client was sent beyond what the runtime's flow control counted (a grown
         # response without room to pad): taken off the client's connection window updates.
         self._owed = 0
@@ -98,19 +103,30 @@ class Relay:
         data = self.first
         try:
             while data:
-                preface, frames = splitter.feed(data)
-                out = bytearray(preface)
-                for frame in frames:
-                    out += self._from_client(frame)
-                if out:
-                    await self.upstream.send(out)
+                whole, frames = splitter.split(data)
+                if not self._owed:
+                    # Nothing to change: the bytes go on first and are read afterwards, off
+                    # the call's path. Nothing else runs before the drain, so the runtime's
+                    # answer cannot overtake what the request tells the relay.
+                    if whole:
+                        self.upstream.write(whole)
+                    for frame in frames:
+                        self._from_client(frame)
+                else:
+                    out = bytearray(whole[: len(whole) - sum(len(f.raw) for f in frames)])
+                    for frame in frames:
+                        out += self._from_client(frame)
+                    self.upstream.write(out)
+                await self.upstream.drain()
                 data = await self.client.receive(RECEIVE_BYTES)
         except (StreamError, ProtocolError, hpack.HPACKError) as exc:
             log.debug("relay: client side ended: %s", exc)
 
     def _from_client(self, frame: h2.Frame) -> bytes | memoryview:
         kind = frame.type
-        if kind in (h2.HEADERS, h2.CONTINUATION):
+        if kind == h2.HEADERS and frame.flags & h2.END_HEADERS:  # a whole block: the usual
+            self._headers(frame.stream_id, bytes(h2.header_fragment(frame)))
+        elif kind in (h2.HEADERS, h2.CONTINUATION):
             if kind == h2.HEADERS:
                 self._block = bytearray()
                 self._block_stream = frame.stream_id
@@ -131,15 +147,18 @@ class Relay:
         return frame.raw
 
     def _headers(self, stream_id: int, block: bytes) -> None:
-        headers = self.decoder.decode(block, raw=True)
+        if block in self._known:
+            path = self._known[block]
+        else:
+            path = _path(self.decoder.decode(block, raw=True))
+            if not h2.only_indexed(block):
+                self._known.clear()  # the dynamic table may have changed
+            elif len(self._known) < KNOWN_BLOCKS:
+                self._known[block] = path
         if stream_id in self.calls:
             return  # the client's trailers, if any
-        for name, value in headers:
-            if name == b":path":
-                method = bytes(value).decode("ascii", "replace")
-                if method in self.watched:
-                    self.calls[stream_id] = _Call(method)
-                return
+        if path is not None and path in self.watched:
+            self.calls[stream_id] = _Call(path)
 
     def _request_data(self, stream_id: int, call: _Call, frame: h2.Frame) -> None:
         call.request += h2.data_of(frame)
@@ -166,7 +185,16 @@ class Relay:
         splitter = h2.FrameSplitter()
         try:
             while data := await self.upstream.receive(RECEIVE_BYTES):
-                _, frames = splitter.feed(data)
+                whole, frames = splitter.split(data)
+                if not self.calls:
+                    # No answer is looked into: the bytes go on as they came.
+                    if whole:
+                        self.client.write(whole)
+                    for frame in frames:
+                        if frame.type == h2.SETTINGS:
+                            self._settings(frame)
+                    await self.client.drain()
+                    continue
                 out = bytearray()
                 for frame in frames:
                     call = self.calls.get(frame.stream_id)
@@ -177,9 +205,7 @@ class Relay:
                             out = bytearray()
                         continue
                     if frame.type == h2.SETTINGS:
-                        size = h2.header_table_size(frame)
-                        if size is not None:
-                            self.decoder.max_allowed_table_size = size
+                        self._settings(frame)
                     elif (
                         frame.type == h2.HEADERS and frame.end_stream
                     ) or frame.type == h2.RST_STREAM:
@@ -189,6 +215,12 @@ class Relay:
                     await self.client.send(out)
         except (StreamError, ProtocolError) as exc:
             log.debug("relay: runtime side ended: %s", exc)
+
+    def _settings(self, frame: h2.Frame) -> None:
+        size = h2.header_table_size(frame)
+        if size is not None:
+            self.decoder.max_allowed_table_size = size
+            self._known.clear()  # the next block is decoded, so a table too big is refused
 
     async def _response_data(self, frame: h2.Frame, call: _Call, out: bytearray) -> bool:
         """Hold the frame's data; once the message is whole, send what precedes it in `out`
@@ -227,6 +259,13 @@ class Relay:
         call.response = bytearray()
         await self.client.send(frames)
         return True
+
+
+def _path(headers: Iterable[tuple[bytes | str, bytes | str]]) -> str | None:
+    for name, value in headers:
+        if name == b":path":
+            return value if isinstance(value, str) else bytes(value).decode("ascii", "replace")
+    return None
 
 
 async def serve_relay(

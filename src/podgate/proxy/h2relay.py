@@ -84,43 +84,78 @@ class Relay:
         # response without room to pad): taken off the client's connection window updates.
         self._owed = 0
         self._pending: set[asyncio.Future[Rewrite | None]] = set()
+        self._from_client_frames = h2.FrameSplitter(preface=True)
+        self._from_upstream_frames = h2.FrameSplitter()
+        # A direction's task is between receiving bytes and being ready for more: bytes that
+        # arrive meanwhile wait for it, so that nothing overtakes what it is passing on.
+        self._client_busy = True  # until `first` went on
+        self._upstream_busy = False
+        self._ended = asyncio.Event()  # a step run from a stream's callback ended the relay
 
     async def run(self) -> None:
-        async with asyncio.TaskGroup() as tasks:
-            up = tasks.create_task(self._client_to_upstream(), name="relay client→runtime")
-            down = tasks.create_task(self._upstream_to_client(), name="relay runtime→client")
-            await asyncio.wait({up, down}, return_when=asyncio.FIRST_COMPLETED)
-            # One side ended (or broke): the connection is over for both.
-            for task in (up, down):
-                task.cancel()
+        # The usual step of either direction runs from the stream's callback as bytes arrive
+        # (no task wake-up on the call's path); the tasks take over whenever one has to wait.
+        self.client.set_consumer(self._client_arrived)
+        self.upstream.set_consumer(self._upstream_arrived)
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                up = tasks.create_task(self._client_to_upstream(), name="relay client→runtime")
+                down = tasks.create_task(self._upstream_to_client(), name="relay runtime→client")
+                ended = tasks.create_task(self._ended.wait(), name="relay ended")
+                await asyncio.wait({up, down, ended}, return_when=asyncio.FIRST_COMPLETED)
+                # One side ended (or broke): the connection is over for both.
+                for task in (up, down, ended):
+                    task.cancel()
+        finally:
+            self.client.set_consumer(None)
+            self.upstream.set_consumer(None)
         for future in self._pending:
             future.cancel()
 
+    def _end(self, side: str, exc: Exception) -> None:
+        log.debug("relay: %s side ended: %s", side, exc)
+        self.client.set_consumer(None)
+        self.upstream.set_consumer(None)
+        self._ended.set()
+
     # -- client → runtime
 
+    def _client_arrived(self, data: bytes) -> bool:
+        if self._client_busy or self._owed or self.upstream.writing_paused:
+            return False  # to the task, which waits for the runtime's side to drain
+        try:
+            self._client_bytes(data)
+        except (StreamError, ProtocolError, hpack.HPACKError) as exc:
+            self._end("client", exc)
+        return True
+
     async def _client_to_upstream(self) -> None:
-        splitter = h2.FrameSplitter(preface=True)
         data = self.first
         try:
             while data:
-                whole, frames = splitter.split(data)
-                if not self._owed:
-                    # Nothing to change: the bytes go on first and are read afterwards, off
-                    # the call's path. Nothing else runs before the drain, so the runtime's
-                    # answer cannot overtake what the request tells the relay.
-                    if whole:
-                        self.upstream.write(whole)
-                    for frame in frames:
-                        self._from_client(frame)
-                else:
-                    out = bytearray(whole[: len(whole) - sum(len(f.raw) for f in frames)])
-                    for frame in frames:
-                        out += self._from_client(frame)
-                    self.upstream.write(out)
+                self._client_bytes(data)
                 await self.upstream.drain()
+                self._client_busy = False
                 data = await self.client.receive(RECEIVE_BYTES)
+                self._client_busy = True
         except (StreamError, ProtocolError, hpack.HPACKError) as exc:
             log.debug("relay: client side ended: %s", exc)
+
+    def _client_bytes(self, data: bytes) -> None:
+        whole, frames = self._from_client_frames.split(data)
+        if not self._owed:
+            # Nothing to change: the bytes go on first and are read afterwards, off the
+            # call's path. Nothing else runs before this returns, so the runtime's answer
+            # cannot overtake what the request tells the relay.
+            if whole:
+                self.upstream.write(whole)
+            for frame in frames:
+                self._from_client(frame)
+        else:
+            out = bytearray(whole[: len(whole) - sum(len(f.raw) for f in frames)])  # preface
+            for frame in frames:
+                out += self._from_client(frame)
+            self.upstream.write(out)
 
     def _from_client(self, frame: h2.Frame) -> bytes | memoryview:
         kind = frame.type
@@ -181,40 +216,55 @@ class Relay:
 
     # -- runtime → client
 
+    def _upstream_arrived(self, data: bytes) -> bool:
+        if self._upstream_busy or self.calls or self.client.writing_paused:
+            return False  # to the task: an answer may be held, or the client is slow
+        try:
+            self._pass_on(*self._from_upstream_frames.split(data))
+        except (StreamError, ProtocolError) as exc:
+            self._end("runtime", exc)
+        return True
+
+    def _pass_on(self, whole: memoryview, frames: list[h2.Frame]) -> None:
+        """No answer is looked into: the bytes go on as they came."""
+        if whole:
+            self.client.write(whole)
+        for frame in frames:
+            if frame.type == h2.SETTINGS:
+                self._settings(frame)
+
     async def _upstream_to_client(self) -> None:
-        splitter = h2.FrameSplitter()
         try:
             while data := await self.upstream.receive(RECEIVE_BYTES):
-                whole, frames = splitter.split(data)
+                self._upstream_busy = True
+                whole, frames = self._from_upstream_frames.split(data)
                 if not self.calls:
-                    # No answer is looked into: the bytes go on as they came.
-                    if whole:
-                        self.client.write(whole)
-                    for frame in frames:
-                        if frame.type == h2.SETTINGS:
-                            self._settings(frame)
+                    self._pass_on(whole, frames)
                     await self.client.drain()
-                    continue
-                out = bytearray()
-                for frame in frames:
-                    call = self.calls.get(frame.stream_id)
-                    held = call is not None and call.decision is not None and not call.done
-                    if held and frame.type == h2.DATA:
-                        assert call is not None
-                        if await self._response_data(frame, call, out):
-                            out = bytearray()
-                        continue
-                    if frame.type == h2.SETTINGS:
-                        self._settings(frame)
-                    elif (
-                        frame.type == h2.HEADERS and frame.end_stream
-                    ) or frame.type == h2.RST_STREAM:
-                        self.calls.pop(frame.stream_id, None)
-                    out += frame.raw
-                if out:
-                    await self.client.send(out)
+                else:
+                    await self._look_into(frames)
+                self._upstream_busy = False
         except (StreamError, ProtocolError) as exc:
             log.debug("relay: runtime side ended: %s", exc)
+
+    async def _look_into(self, frames: list[h2.Frame]) -> None:
+        """Pass the frames on, holding the answers of intercepted calls."""
+        out = bytearray()
+        for frame in frames:
+            call = self.calls.get(frame.stream_id)
+            held = call is not None and call.decision is not None and not call.done
+            if held and frame.type == h2.DATA:
+                assert call is not None
+                if await self._response_data(frame, call, out):
+                    out = bytearray()
+                continue
+            if frame.type == h2.SETTINGS:
+                self._settings(frame)
+            elif (frame.type == h2.HEADERS and frame.end_stream) or frame.type == h2.RST_STREAM:
+                self.calls.pop(frame.stream_id, None)
+            out += frame.raw
+        if out:
+            await self.client.send(out)
 
     def _settings(self, frame: h2.Frame) -> None:
         size = h2.header_table_size(frame)

@@ -7,9 +7,9 @@ moves compared with containerd's own port-forward into a plain pod, in the same 
 
 Everything runs against a private containerd (tests/e2e/containerd_support.py: its own root,
 state and socket under /tmp, a local busybox image, host-network pods), which needs root. The
-unary figures interleave direct and proxied calls one by one, so load on the machine hits both
-alike, in one round per run (medians of the rounds are reported). Throughput is an echo: each
-byte goes to the pod and back, sha256-checked.
+unary figures interleave direct and proxied calls one by one, in a shuffled order, so load on
+the machine hits all alike, in one round per run (medians of the rounds are reported).
+Throughput is an echo: each byte goes to the pod and back, sha256-checked.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import asyncio
 import hashlib
 import json
 import os
+import random
 import shutil
 import statistics
 import sys
@@ -45,6 +46,8 @@ DEFAULT_SIZE = 64 * 1024 * 1024
 CHUNK_BYTES = 256 * 1024
 # Calls made before measuring (connections, first-call paths warmed).
 WARMUP_CALLS = 50
+# The unary calls' order over the paths is shuffled with this seed (the same in every run).
+ORDER_SEED = 1
 # One echo run may take this long (a loaded 2-core machine, two SPDY hops and a forwarder).
 RUN_TIMEOUT_SECONDS = 300.0
 # The issue's goal: the proxy adds at most this much to a unary call's median.
@@ -69,8 +72,8 @@ def unary_latency(
     sockets: dict[str, Path], calls: int, sandbox_id: str, rounds: int = 1
 ) -> list[dict[str, Any]]:
     """p50/p99 of Version and PodSandboxStatus on each socket ("direct" first), interleaved
-    call by call, in `rounds` rounds of `calls` calls per path: the median of the rounds'
-    figures, and of each round's p50 less direct's in the same round."""
+    call by call in a shuffled order, in `rounds` rounds of `calls` calls per path: the median
+    of the rounds' figures, and of each round's p50 less direct's in the same round."""
     import grpc
 
     from podgate.cri import api_pb2 as pb
@@ -88,11 +91,17 @@ def unary_latency(
             name = f"/runtime.v1.RuntimeService/{method}"
             stubs = {path: channel.unary_unary(name) for path, channel in channels.items()}
             per_round: dict[str, list[tuple[float, float, float]]] = {p: [] for p in stubs}
+            order = list(stubs)
+            shuffle = random.Random(ORDER_SEED).shuffle
             for round_ in range(rounds):
                 samples: dict[str, list[float]] = {path: [] for path in stubs}
                 warmup = WARMUP_CALLS if round_ == 0 else 0
                 for i in range(warmup + calls):
-                    for path, stub in stubs.items():
+                    # A new order each time: a call costs more after a slow one on another path
+                    # (caches, idle CPUs), so no path may mostly follow the same other.
+                    shuffle(order)
+                    for path in order:
+                        stub = stubs[path]
                         start = time.perf_counter()
                         stub(body, timeout=30)
                         if i >= warmup:

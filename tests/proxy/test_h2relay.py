@@ -29,6 +29,7 @@ class Ends:
     client: SocketStream  # the test's side of the client connection
     upstream: SocketStream  # the test's side of the runtime connection
     relay: Relay
+    running: asyncio.Task[None]  # the relay's run()
 
 
 async def stream_pair() -> tuple[SocketStream, SocketStream]:
@@ -53,7 +54,7 @@ async def ends(intercept: list[Intercept]) -> AsyncIterator[Ends]:
     relay = Relay(relay_client, relay_upstream, frozenset({WATCHED}), chosen, h2.PREFACE)
     running = asyncio.create_task(relay.run())
     try:
-        yield Ends(client, upstream, relay)
+        yield Ends(client, upstream, relay, running)
     finally:
         for stream in (client, upstream):
             await stream.aclose()
@@ -149,3 +150,19 @@ async def test_a_held_answer_is_not_overtaken_by_what_follows_it(
         (0x6, 0),
     ]
     assert h2.grpc_message(h2.data_of(frames[1]).tobytes()) == (False, b"URL-B")
+
+
+async def test_a_header_block_the_relay_cannot_decode_ends_the_connection(
+    ends: Ends, intercept: list[Intercept]
+) -> None:
+    intercept.append(lambda method, message: None)
+    encoder = hpack.Encoder()
+    _, good = request(encoder, 1, OTHER, b"version")
+    bad = h2.encode_frame(h2.HEADERS, h2.END_HEADERS, 3, b"\x80")  # index 0 does not exist
+    await ends.client.send(good)
+    await receive_exactly(ends.upstream, len(h2.PREFACE + good))
+    await ends.client.send(bad)
+    # Passed on before it was read (the runtime refuses it too), and the relay is over.
+    assert await receive_exactly(ends.upstream, len(bad)) == bad
+    async with asyncio.timeout(EXCHANGE_SECONDS):
+        await ends.running

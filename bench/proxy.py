@@ -25,7 +25,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -172,7 +172,11 @@ async def echo(socket_path: Path, pod: Any, port: int, size: int) -> tuple[float
     return seconds, count == size and sent.digest() == received.digest()
 
 
-def run_proxy(calls: int, size: int, runs: int, progress: Progress) -> dict[str, Any]:
+def run_proxy(
+    calls: int, size: int, runs: int, progress: Progress, relay_sources: Sequence[Path] = ()
+) -> dict[str, Any]:
+    """The section; each of `relay_sources` (another checkout's `src`) adds a relay proxy run
+    from that code to the unary figures, for a before/after in one run."""
     for where in TEST_HELPERS:
         if str(REPO / where) not in sys.path:
             sys.path.append(str(REPO / where))
@@ -213,8 +217,12 @@ def run_proxy(calls: int, size: int, runs: int, progress: Progress) -> dict[str,
             wait_listening(proxied_port)
             proxies = []
             sockets = {"direct": ctrd.socket}
-            for plane in DATA_PLANES:
-                sock = work / f"proxy-{plane}.sock"
+            planes = [(p, f"proxy ({p})", None) for p in DATA_PLANES] + [
+                ("relay", f"proxy (relay, {src})", src) for src in relay_sources
+            ]
+            for n, (plane, label, src) in enumerate(planes):
+                sock = work / f"proxy-{n}.sock"
+                env = None if src is None else dict(os.environ, PYTHONPATH=str(Path(src).resolve()))
                 process, _ = start_process(
                     [
                         "proxy",
@@ -223,11 +231,12 @@ def run_proxy(calls: int, size: int, runs: int, progress: Progress) -> dict[str,
                         *("--select-annotation", "=".join(ANNOTATION)),
                         *("--data-plane", plane),
                     ],
-                    work / f"proxy-{plane}.log",
+                    work / f"proxy-{n}.log",
                     PROXY_READY,
+                    env,
                 )
                 proxies.append(process)
-                sockets[f"proxy ({plane})"] = sock
+                sockets[label] = sock
             proxy_sock = sockets[f"proxy ({DATA_PLANES[0]})"]
             try:
                 progress(f"proxy: {calls} unary calls per method and path")
@@ -332,9 +341,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", type=parse_size, default=DEFAULT_SIZE)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--json", type=Path, help="also write the section as JSON here")
+    parser.add_argument(
+        "--relay-src",
+        type=Path,
+        action="append",
+        default=[],
+        help="also time a relay proxy run from this source directory (another checkout's src), "
+        "for a before/after in one run; may be repeated",
+    )
     args = parser.parse_args(argv)
     err = Console(stderr=True)
-    section = run_proxy(args.calls, args.size, args.runs, lambda m: err.print(f"[dim]{m}[/dim]"))
+    section = run_proxy(
+        args.calls,
+        args.size,
+        args.runs,
+        lambda m: err.print(f"[dim]{m}[/dim]"),
+        args.relay_src,
+    )
     console = Console() if sys.stdout.isatty() else Console(width=REPORT_WIDTH)
     print_report(section, console)
     if args.json:

@@ -22,6 +22,7 @@ import re
 import resource
 import secrets
 import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -233,6 +234,23 @@ def forward_port(child: Child, deadline: float) -> int:
     raise ChildError(f"{child.name}: port-forward not ready: {child.stderr_tail()}")
 
 
+def wait_for_echo(port: int, timeout: float = READY_TIMEOUT_SECONDS) -> None:
+    """Until one connection through `port` echoes: the pod's server may still be starting
+    after `podgate up` says it is ready (kubectl then resets the connection)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=timeout) as conn:
+                conn.sendall(b"ping")
+                if conn.recv(4) == b"ping":
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise ChildError(f"no echo through port {port} within {timeout:g} s")
+        time.sleep(0.2)
+
+
 def run_manyforwards(
     kubectl_path: str | None,
     progress: Callable[[str], None],
@@ -275,6 +293,7 @@ def run_manyforwards(
             ]
             deadline = time.monotonic() + FORWARD_READY_SECONDS
             ports = [forward_port(f, deadline) for f in forwarders]
+            wait_for_echo(ports[0])
             idle_rss = rss_kib(up.pid)[0]
             progress(f"manyforwards: {users} x {per_user} connections through kubectl")
             sampled: dict[str, int] = {}
@@ -292,6 +311,12 @@ def run_manyforwards(
             held = asyncio.run(main())
             alive = all(f.proc.poll() is None for f in forwarders)
             up_hwm = rss_kib(up.pid)[1]
+            # What the processes said, when something failed.
+            logs = (
+                {c.name: c.stderr_tail() for c in [up, *forwarders]}
+                if any(h.failures for h in held) or not alive
+                else {}
+            )
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return {
@@ -306,6 +331,7 @@ def run_manyforwards(
         "up_hwm_kib": up_hwm,
         "kubectl_rss_peak_kib": sampled.get("kubectl", 0),
         "kubectl_alive": alive,
+        "logs": logs,
     }
 
 

@@ -22,7 +22,7 @@ from e2e_support import free_port
 from gateway_support import ECHO_PORT, Gateway, running_gateway
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from bench.manyforwards import hold_connections, policy, raise_nofile
+from bench.manyforwards import hold_connections, policy, raise_nofile, wait_for_echo
 
 pytestmark = [pytest.mark.e2e, pytest.mark.privileged]
 
@@ -57,6 +57,7 @@ def test_four_users_hold_hundreds_of_forwards_each_to_one_pod(gateway: Gateway) 
             )
             for kubeconfig, port in zip(kubeconfigs, ports, strict=True)
         ]
+        wait_for_echo(ports[0])
         held = asyncio.run(hold_connections(ports, PER_USER, HOLD_TIMEOUT_SECONDS))
         for forwarder in forwarders:
             assert forwarder.proc.poll() is None, forwarder.stderr

@@ -22,7 +22,9 @@ import re
 import resource
 import secrets
 import shutil
+import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -46,6 +48,8 @@ PAYLOAD_BYTES: Final = 64
 HOLD_TIMEOUT_SECONDS: Final = 300.0
 READY_TIMEOUT_SECONDS: Final = 120.0
 FORWARD_READY_SECONDS: Final = 30.0
+# How long `podgate up` may take to remove its pod and exit after SIGTERM.
+UP_STOP_SECONDS: Final = 60.0
 # Descriptors the bench and its children may open: each connection costs one here, one in
 # kubectl, a socket and a splice pipe or two in the runtime, and one in the pod.
 NOFILE: Final = 65536
@@ -317,6 +321,15 @@ def run_manyforwards(
                 if any(h.failures for h in held) or not alive
                 else {}
             )
+            for forwarder in forwarders:
+                forwarder.stop()
+            # `podgate up` removes its pod on SIGTERM: give it the time (a kill would leave
+            # the pod's processes and mounts behind).
+            up.proc.send_signal(signal.SIGTERM)
+            try:
+                up.proc.wait(UP_STOP_SECONDS)
+            except subprocess.TimeoutExpired:
+                progress(f"manyforwards: podgate up did not stop within {UP_STOP_SECONDS:g} s")
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return {

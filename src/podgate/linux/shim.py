@@ -105,7 +105,9 @@ _NS_KINDS: Final = (("net", ns.CLONE_NEWNET), ("uts", ns.CLONE_NEWUTS), ("ipc", 
 
 @dataclass(slots=True)
 class ShimSpec:
-    """What one shim runs. `ns_pid` is the pod's namespace process (None: the host's)."""
+    """What one shim runs. `ns_paths` are the pod's namespace files ("net", "uts", "ipc", and
+    "pid" when shared); `ns_pid`, the pod's namespace process, stands for them when they are
+    not given (neither: the host's)."""
 
     container_id: str
     command: list[str]
@@ -121,6 +123,7 @@ class ShimSpec:
     stdin: bool = False
     stdin_once: bool = False
     ns_pid: int | None = None
+    ns_paths: dict[str, str] = field(default_factory=dict)
     pid_mode: NamespaceMode = NamespaceMode.CONTAINER
     log_file: str = ""  # CRI log file; "" = no log
     shim_log: str = ""  # the shim's own stderr; "" = `<ready_file>.log`
@@ -146,6 +149,7 @@ class ShimSpec:
             "stdin": self.stdin,
             "stdin_once": self.stdin_once,
             "ns_pid": self.ns_pid,
+            "ns_paths": dict(self.ns_paths),
             "pid_mode": int(self.pid_mode),
             "log_file": self.log_file,
             "shim_log": self.shim_log,
@@ -295,17 +299,18 @@ def _open_namespaces(spec: ShimSpec) -> list[tuple[int, int]]:
     """Join the pod's PID namespace (for our children) and open the others for the child."""
     if spec.pid_mode is NamespaceMode.TARGET:
         raise _StartError("pid namespace mode TARGET is not supported")
-    if spec.pid_mode is NamespaceMode.POD and spec.ns_pid is None:
-        raise _StartError("pid namespace mode POD needs the pod's namespace process")
+    paths = dict(spec.ns_paths)
+    if not paths and spec.ns_pid is not None:
+        paths = {kind: ns.ns_path(spec.ns_pid, kind) for kind in ("net", "uts", "ipc", "pid")}
+    if spec.pid_mode is NamespaceMode.POD and "pid" not in paths:
+        raise _StartError("pid namespace mode POD needs the pod's PID namespace")
     fds: list[tuple[int, int]] = []
     try:
-        if spec.ns_pid is not None:
-            for kind, nstype in _NS_KINDS:
-                path = ns.ns_path(spec.ns_pid, kind)
-                fds.append((os.open(path, os.O_RDONLY | os.O_CLOEXEC), nstype))
+        for kind, nstype in _NS_KINDS:
+            if kind in paths:
+                fds.append((os.open(paths[kind], os.O_RDONLY | os.O_CLOEXEC), nstype))
         if spec.pid_mode is NamespaceMode.POD:
-            assert spec.ns_pid is not None
-            pid_fd = os.open(ns.ns_path(spec.ns_pid, "pid"), os.O_RDONLY | os.O_CLOEXEC)
+            pid_fd = os.open(paths["pid"], os.O_RDONLY | os.O_CLOEXEC)
             try:
                 ns.setns(pid_fd, ns.CLONE_NEWPID)
             finally:
@@ -356,6 +361,7 @@ def _child(spec: ShimSpec, stdio: _Stdio, ns_fds: list[tuple[int, int]], report:
         step = "create mount namespace"
         ns.unshare(ns.CLONE_NEWNS)
         ns.make_mounts_private()
+        ns.drop_namespace_mounts()
         for bind in spec.mounts:
             step = f"mount {bind.get('host_path')!r} on {bind.get('container_path')!r}"
             _bind_mount(spec.root_dir, bind)

@@ -171,6 +171,16 @@ def podgate_pod_pids(state: Path, sandbox: str, container: str) -> dict[str, int
     return pids
 
 
+def podgate_node_pids(daemon: int) -> dict[str, int]:
+    """podgate's per-node helpers beside the daemon: the helper forker (the shims' parent
+    interpreter; they share its unchanged pages)."""
+    for pid in _children(daemon):
+        with contextlib.suppress(OSError):
+            if b"podgate.linux.forker" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return {"helper forker": pid}
+    return {}
+
+
 def containerd_pod_pids(
     ctrd: containerd_support.Containerd, rt: pb_grpc.RuntimeServiceStub, container: str
 ) -> dict[str, int]:
@@ -257,6 +267,10 @@ def run_podstart(pods: int, progress: Progress) -> dict[str, Any]:
                     if row["error"] is None:
                         pids = containerd_pod_pids(ctrd, ctrd.runtime, row["container"])
                         section["memory"]["containerd"].append(_pss_sum(pids))
+                section["node"] = {
+                    f"podgate {role}": pss_kib(pid) or 0
+                    for role, pid in podgate_node_pids(daemon.proc.pid).items()
+                }
             finally:
                 progress("podstart: removing the pods")
                 for tool in TOOLS:
@@ -358,6 +372,12 @@ def _notes(section: dict[str, Any]) -> list[str]:
             parts = ", ".join(f"{r} {kib / 1024:.1f}" for r, kib in s["by_process"].items())
             notes.append(f"{s['tool']} PSS MiB per process (median): {parts}")
         notes += [f"{s['tool']} failed: {e}" for e in s["errors"]]
+    pods = max(1, len(section["memory"]["podgate"]))
+    for role, kib in section.get("node", {}).items():
+        notes.append(
+            f"{role} (one per node, not in PSS/pod): {kib / 1024:.1f} MiB, "
+            f"{kib / 1024 / pods:.2f} MiB per pod over {pods} pods"
+        )
     return notes
 
 

@@ -34,6 +34,7 @@ from typing import Any, BinaryIO, Final
 from podgate.aio.errors import map_os_errors
 from podgate.linux import ns
 from podgate.linux.proc import (
+    Spawn,
     SpawnError,
     atomic_write_json,
     process_ref,
@@ -871,12 +872,14 @@ async def start_shim(
     *,
     spec_file: str | None = None,
     timeout: float = SHIM_START_TIMEOUT,
+    spawn: Spawn | None = None,
 ) -> ShimReady:
     """Start a detached shim for `spec` and wait until its container runs.
 
     The spec is written to `spec_file` (default `<ready_file>.spec`), the shim's own stderr
     goes to `spec.shim_log` (default `<ready_file>.log`). Raises ShimError with the shim's
-    message (e.g. the executable was not found) on failure.
+    message (e.g. the executable was not found) on failure. `spawn(module, args,
+    log_file)` starts the shim another way (podgate.linux.forker) than a new interpreter.
     """
     spec_file = spec_file or f"{spec.ready_file}.spec"
     log_file = spec.shim_log or f"{spec.ready_file}.log"
@@ -885,9 +888,12 @@ async def start_shim(
             os.unlink(stale)
     atomic_write_json(spec_file, spec.to_json())
     try:
-        await spawn_detached(
-            [sys.executable, "-m", "podgate.linux.shim", "--spec", spec_file], log_file
-        )
+        if spawn is not None:
+            await spawn("podgate.linux.shim", ["--spec", spec_file], log_file)
+        else:
+            await spawn_detached(
+                [sys.executable, "-m", "podgate.linux.shim", "--spec", spec_file], log_file
+            )
         data = await wait_ready_file(spec.ready_file, timeout, log_file)
     except SpawnError as exc:
         raise ShimError(str(exc)) from exc

@@ -162,6 +162,7 @@ async def running_runtime(config: RuntimeConfig) -> AsyncIterator[RunningRuntime
         await agent.aclose()
         netns.close()
         netns.worker.close()
+        runtime.close()
 
 
 async def run_daemon(config: RuntimeConfig) -> None:

@@ -3,8 +3,9 @@
 A pod's network, UTS and IPC namespaces are pinned by bind mounts in its run directory
 (podgate.linux.nspin), with no process; a pod that shares a PID namespace needs a PID 1 for
 it, a small holder process that owns all of them. Each container runs under its own shim, which
-keeps its stdio, writes its CRI log and records its exit code. Neither is a child that dies with
-the daemon: a restarted daemon reads its records and finds them again.
+keeps its stdio, writes its CRI log and records its exit code; shims are forked from a warm
+interpreter (podgate.linux.forker). Neither is a child that dies with the daemon: a restarted
+daemon reads its records and finds them again.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from podgate.images.store import ImageStore
 from podgate.linux import holder as holder_mod
 from podgate.linux import nspin
 from podgate.linux import shim as shim_mod
+from podgate.linux.forker import Forker
 from podgate.linux.proc import is_alive, read_json, signal_process
 from podgate.model import (
     ContainerMetadata,
@@ -126,6 +128,14 @@ class Runtime:
         self._locks: dict[str, asyncio.Lock] = {}
         # The last CPU reading per container: (ns since the epoch, CPU ns), for nano-cores.
         self._cpu_samples: dict[str, tuple[int, int]] = {}
+        # Shims and holders are forked from a warm interpreter living as long as this daemon.
+        self.forker = Forker(
+            str(self.store.run_dir / "forker.sock"), str(self.store.run_dir / "forker.log")
+        )
+
+    def close(self) -> None:
+        """Stop the daemon's helpers (pods and their shims keep running)."""
+        self.forker.close()
 
     # ------------------------------------------------------------------ startup
     def load(self) -> None:
@@ -328,6 +338,7 @@ class Runtime:
             log_file=str(run / "holder.log"),
             sysctls=sysctls,
             empty_root="" if sandbox.is_sandboxed(pod) else str(run / "holder-root"),
+            spawn=self.forker.spawn,
         )
 
     async def _release_pod_namespaces(self, pod: PodRecord) -> None:
@@ -542,7 +553,7 @@ class Runtime:
                 oci=self.oci.shim_config(container, run) if spec.rootfs else {},
             )
             try:
-                ready = await shim_mod.start_shim(shim_spec)
+                ready = await shim_mod.start_shim(shim_spec, spawn=self.forker.spawn)
             except shim_mod.ShimError as exc:
                 container.state = ContainerState.EXITED
                 container.exit_code = 128

@@ -39,6 +39,11 @@ async def _container_pid(rt: object, container_id: str) -> int:
     return int(json.loads(response.info["info"])["pid"])
 
 
+def _ppid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return int(f.read().rsplit(b")", 1)[1].split()[1])
+
+
 def _nsfs_mounts(pid: int) -> list[str]:
     with open(f"/proc/{pid}/mountinfo", encoding="utf-8", errors="replace") as f:
         return [line for line in f if line.partition(" - ")[2].startswith("nsfs ")]
@@ -68,6 +73,9 @@ async def test_pinned_namespaces_are_the_pods_and_go_with_it() -> None:
                 pb.ExecSyncRequest(container_id=container, cmd=["hostname"], timeout=10)
             )
             assert (response.stdout, response.exit_code) == (b"pinned\n", 0)
+            # Its shim (the container's parent) was forked from the daemon's shim forker.
+            with open(f"/proc/{_ppid(pid)}/cmdline", "rb") as f:
+                assert b"podgate.linux.forker" in f.read()
 
             # A second pod's container does not keep copies of the first pod's namespace
             # files in its mount namespace (they would outlive the first pod).

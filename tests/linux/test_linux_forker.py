@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from podgate.linux import shim as shim_mod
 from podgate.linux.forker import Forker
 from podgate.linux.holder import start_holder, stop_holder
 from podgate.linux.proc import is_alive, process_ref, read_json, signal_process, wait_gone
@@ -61,12 +62,12 @@ async def _exit_code(shim: ProcessRef, spec: ShimSpec) -> int:
 
 
 async def test_a_forked_shim_runs_its_container_and_outlives_the_forker(tmp_path: Path) -> None:
-    forker = Forker(str(tmp_path / "f.sock"), str(tmp_path / "f.log"))
+    forker = Forker(str(tmp_path / "f.log"))
     try:
         spec = _spec(tmp_path / "c1", "c1", ["sh", "-c", "echo forked; sleep 1; exit 3"])
         ready = await start_shim(spec, spawn=forker.spawn)
-        assert forker._process is not None
-        forker_pid = forker._process.pid
+        assert forker.pid is not None
+        forker_pid = forker.pid
         forker_ref = process_ref(forker_pid)
         # Forked, not a new interpreter: the shim carries the forker's command line, and it
         # was re-parented away from the forker (a new session, forked twice).
@@ -82,17 +83,17 @@ async def test_a_forked_shim_runs_its_container_and_outlives_the_forker(tmp_path
 
 
 async def test_a_dead_forker_is_started_again(tmp_path: Path) -> None:
-    forker = Forker(str(tmp_path / "f.sock"), str(tmp_path / "f.log"))
+    forker = Forker(str(tmp_path / "f.log"))
     try:
         first = _spec(tmp_path / "c1", "c1", ["true"])
         first_ready = await start_shim(first, spawn=forker.spawn)
-        assert forker._process is not None
-        old = process_ref(forker._process.pid)
+        assert forker.pid is not None
+        old = process_ref(forker.pid)
         signal_process(old, signal.SIGKILL)
         assert await wait_gone(old, WAIT)
         second = _spec(tmp_path / "c2", "c2", ["sh", "-c", "sleep 1; exit 5"])
         ready = await start_shim(second, spawn=forker.spawn)
-        assert forker._process is not None and forker._process.pid != old.pid
+        assert forker.pid not in (None, old.pid)
         assert FORKER_MODULE in _cmdline(ready.shim.pid)
         assert await _exit_code(ready.shim, second) == 5
         assert await _exit_code(first_ready.shim, first) == 0
@@ -107,9 +108,9 @@ DAEMON = textwrap.dedent(
     from podgate.linux.forker import Forker
 
     async def main(run, spec):
-        forker = Forker(run + "/f.sock", run + "/f.log")
+        forker = Forker(run + "/f.log")
         ready = await start_shim(ShimSpec.from_json(spec), spawn=forker.spawn)
-        print(json.dumps({"forker": forker._process.pid, "shim": ready.shim.pid}), flush=True)
+        print(json.dumps({"forker": forker.pid, "shim": ready.shim.pid}), flush=True)
         await asyncio.sleep(3600)
 
     asyncio.run(main(sys.argv[1], json.loads(sys.argv[2])))
@@ -145,7 +146,7 @@ async def test_the_forker_ends_with_its_daemon_and_the_shim_lives_on(tmp_path: P
 
 
 async def test_a_forked_pod_holder_owns_the_pods_pid_namespace(tmp_path: Path) -> None:
-    forker = Forker(str(tmp_path / "f.sock"), str(tmp_path / "f.log"))
+    forker = Forker(str(tmp_path / "f.log"))
     try:
         holder, ns_process = await start_holder(
             "forked-holder",
@@ -177,3 +178,15 @@ async def test_a_forked_pod_holder_owns_the_pods_pid_namespace(tmp_path: Path) -
         assert await wait_gone(holder, WAIT) and await wait_gone(ns_process, WAIT)
     finally:
         forker.close()
+
+
+def test_the_shims_own_argument_parsing(capsys: pytest.CaptureFixture[str]) -> None:
+    # A forked shim parses its arguments without argparse (whose objects cost each shim
+    # about 1 MiB of its own): the same command line as before, the same refusals.
+    assert shim_mod._parse_args(["--spec", "s.json"]) == ("s.json", False)
+    assert shim_mod._parse_args(["--foreground", "--spec=s.json"]) == ("s.json", True)
+    for bad in ([], ["--spec"], ["--spec", "s.json", "--bogus"], ["s.json"]):
+        with pytest.raises(ValueError):
+            shim_mod._parse_args(bad)
+    assert shim_mod.main(["--bogus"]) == 2
+    assert "usage: python -m podgate.linux.shim --spec FILE" in capsys.readouterr().err

@@ -5,13 +5,14 @@ Most of a spawned helper's start is the interpreter and its imports, and all of 
 its own. Forked from this process it starts in milliseconds and shares the pages neither
 touches with the forker and with every other helper forked from it (PSS divides shared pages).
 
-`python -m podgate.linux.forker --socket PATH` listens on PATH; a request is one JSON line
-{"module": M, "args": [...], "log": FILE} for a module of HELPERS, the answer the exit status
-of the first fork as a line (0: the helper is on its way; it reports through its ready file, as
-a spawned one does). A helper is forked twice and starts a new session: it is no child of the
-forker or the daemon and outlives both, and runs as `python -m M ARGS --foreground` would.
-The forker itself lives as long as the daemon: its stdin is a pipe from the daemon, whose end
-(EOF) ends the forker, a `kill -9` of the daemon included.
+`python -m podgate.linux.forker` talks to the daemon over its stdin, one end of a unix socket
+pair: it says "ready", then answers requests, one JSON line {"module": M, "args": [...],
+"log": FILE} for a module of HELPERS, with the exit status of the first fork as a line (0: the
+helper is on its way; it reports through its ready file, as a spawned one does). A helper is
+forked twice and starts a new session: it is no child of the forker or the daemon and outlives
+both, and runs as `python -m M ARGS --foreground` would. The forker lives as long as the
+daemon: the daemon's end closing (EOF), a `kill -9` of the daemon included, ends it. No path
+names it, so nothing else can ask it for anything.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import gc
 import json
 import logging
 import os
-import selectors
 import socket
 import subprocess
 import sys
@@ -49,6 +49,8 @@ FORKER_START_TIMEOUT: Final = 30.0
 REQUEST_TIMEOUT: Final = 10.0
 _READY: Final = b"ready\n"
 _MAX_REQUEST: Final = 64 * 1024
+# The answer to a request the forker could not read or run (no exit status is negative).
+_BAD_REQUEST: Final = -1
 
 
 def _grandchild(module: str, args: list[str], log_file: str) -> int:
@@ -90,78 +92,54 @@ def _fork_helper(module: str, args: list[str], log_file: str) -> int:
     return os.waitstatus_to_exitcode(status)
 
 
-def _read_line(conn: socket.socket) -> bytes:
-    data = b""
-    while not data.endswith(b"\n"):
-        chunk = conn.recv(4096)
-        if not chunk or len(data) > _MAX_REQUEST:
-            raise ValueError("incomplete request")
-        data += chunk
-    return data
+def _answer(request: bytes) -> bytes:
+    try:
+        data = json.loads(request)
+        module, args = str(data["module"]), [str(a) for a in data["args"]]
+        if module not in HELPERS:
+            raise ValueError(f"no helper {module!r}")
+        code = _fork_helper(module, args, str(data["log"]))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(f"forker: bad request: {exc}", file=sys.stderr)
+        code = _BAD_REQUEST
+    return b"%d\n" % code
 
 
-def _handle(conn: socket.socket) -> None:
-    with conn:
-        conn.settimeout(REQUEST_TIMEOUT)
-        try:
-            request = json.loads(_read_line(conn))
-            module, args = str(request["module"]), [str(a) for a in request["args"]]
-            if module not in HELPERS:
-                raise ValueError(f"no helper {module!r}")
-            code = _fork_helper(module, args, str(request["log"]))
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            print(f"forker: bad request: {exc}", file=sys.stderr)
+def serve(conn: socket.socket) -> None:
+    """Answer requests on `conn` until the daemon's end closes."""
+    buffered = b""
+    while True:
+        newline = buffered.find(b"\n")
+        if newline >= 0:
+            request, buffered = buffered[:newline], buffered[newline + 1 :]
+            conn.sendall(_answer(request))
+            continue
+        if len(buffered) > _MAX_REQUEST:
             return
-        with contextlib.suppress(OSError):
-            conn.sendall(b"%d\n" % code)
-
-
-def serve(listener: socket.socket, stdin: int = 0) -> None:
-    """Answer requests until `stdin` ends (the daemon is gone)."""
-    with selectors.DefaultSelector() as selector:
-        selector.register(listener, selectors.EVENT_READ)
-        selector.register(stdin, selectors.EVENT_READ)
-        while True:
-            for key, _ in selector.select():
-                if key.fileobj == stdin:
-                    if not os.read(stdin, 4096):
-                        return
-                    continue
-                try:
-                    conn, _ = listener.accept()
-                except OSError:
-                    continue
-                _handle(conn)
+        chunk = conn.recv(_MAX_REQUEST)
+        if not chunk:
+            return
+        buffered += chunk
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 2 or args[0] != "--socket":
-        print("usage: python -m podgate.linux.forker --socket PATH", file=sys.stderr)
+    if list(sys.argv[1:] if argv is None else argv):
+        print("usage: python -m podgate.linux.forker  (stdin: a unix socket)", file=sys.stderr)
         return 2
-    path = args[1]
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old_umask = os.umask(0o177)  # only root (the daemon) may ask for helpers
-    try:
-        listener.bind(path)
-    finally:
-        os.umask(old_umask)
-    listener.listen()
+    conn = socket.socket(fileno=os.dup(0))
     # What the helpers will use, imported (an event loop run once: its lazy imports and
     # singletons) and frozen out of the collector's way, so their pages stay shared after a
     # fork. No thread is left running: the forker only forks.
     asyncio.run(asyncio.sleep(0))
     gc.collect()
     gc.freeze()
-    os.write(1, _READY)
     try:
-        serve(listener)
+        conn.sendall(_READY)
+        serve(conn)
+    except OSError as exc:
+        print(f"forker: the daemon's socket failed: {exc}", file=sys.stderr)
     finally:
-        listener.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+        conn.close()
     return 0
 
 
@@ -169,10 +147,11 @@ class Forker:
     """The daemon's side: starts the forker on first use (again if it died) and asks it for
     helpers."""
 
-    def __init__(self, socket_path: str, log_file: str) -> None:
-        self.socket_path = socket_path
+    def __init__(self, log_file: str) -> None:
         self.log_file = log_file
         self._process: subprocess.Popen[bytes] | None = None
+        self._stream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        self._sock: socket.socket | None = None
         self._lock = asyncio.Lock()
 
     async def spawn(self, module: str, args: list[str], log_file: str) -> None:
@@ -191,55 +170,78 @@ class Forker:
 
     async def _request(self, module: str, args: list[str], log_file: str) -> int:
         request = json.dumps({"module": module, "args": args, "log": log_file}).encode()
-        async with self._lock:  # the forker serves one request at a time anyway
-            await self._ensure_running()
-            async with asyncio.timeout(REQUEST_TIMEOUT):
-                reader, writer = await asyncio.open_unix_connection(self.socket_path)
-                try:
+        async with self._lock:  # one request at a time on the one socket
+            try:
+                reader, writer = await self._ensure_running()
+                async with asyncio.timeout(REQUEST_TIMEOUT):
                     writer.write(request + b"\n")
                     line = await reader.readline()
-                finally:
-                    writer.close()
-            return int(line)
+                if not line:
+                    raise OSError("the helper forker exited")
+                return int(line)
+            except BaseException:
+                self.close()  # mid-request, its answer is lost: a new one next time
+                raise
 
-    async def _ensure_running(self) -> None:
-        if self._process is not None and self._process.poll() is None:
-            return
+    async def _ensure_running(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        if self._stream is not None and self._process is not None and self._process.poll() is None:
+            return self._stream
         self.close()
-        process = self._process = await asyncio.to_thread(self._popen)
-        assert process.stdout is not None
+        ours, theirs = socket.socketpair()
+        self._sock = ours
+        try:
+            self._process = await asyncio.to_thread(self._popen, theirs)
+        finally:
+            theirs.close()
+        try:
+            reader, writer = await asyncio.open_unix_connection(sock=ours)
+        except BaseException:
+            ours.close()
+            self.close()
+            raise
+        self._stream = reader, writer
         try:
             async with asyncio.timeout(FORKER_START_TIMEOUT):
-                ready = await asyncio.to_thread(process.stdout.readline)
+                ready = await reader.readline()
         except BaseException:
             self.close()
             raise
         if ready != _READY:
             self.close()
             raise OSError(f"the helper forker did not start: {log_tail(self.log_file)}")
+        return reader, writer
 
-    def _popen(self) -> subprocess.Popen[bytes]:
-        # The pipe on its stdin is its lifeline: no other process holds its write end.
-        with open(self.log_file, "ab") as log:
+    def _popen(self, conn: socket.socket) -> subprocess.Popen[bytes]:
+        with open(self.log_file, "ab") as log_out:
             return subprocess.Popen(
-                [sys.executable, "-m", "podgate.linux.forker", "--socket", self.socket_path],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=log,
+                [sys.executable, "-m", "podgate.linux.forker"],
+                stdin=conn.fileno(),
+                stdout=subprocess.DEVNULL,
+                stderr=log_out,
                 start_new_session=True,
                 close_fds=True,
                 env=helper_env(),
             )
 
+    @property
+    def pid(self) -> int | None:
+        """The running forker's pid, if one runs."""
+        return self._process.pid if self._process is not None else None
+
     def close(self) -> None:
-        """Stop the forker (helpers it forked keep running)."""
+        """Stop the forker (helpers it forked keep running): its socket closes, it exits."""
+        stream, self._stream = self._stream, None
+        sock, self._sock = self._sock, None
+        if sock is not None:  # EOF for the forker now, not when the transport gets to it
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        if stream is not None:
+            stream[1].close()
+        elif sock is not None:
+            sock.close()
         process, self._process = self._process, None
         if process is None:
             return
-        for stream in (process.stdin, process.stdout):
-            if stream is not None:
-                with contextlib.suppress(OSError):
-                    stream.close()
         try:
             process.wait(REQUEST_TIMEOUT)
         except subprocess.TimeoutExpired:

@@ -14,7 +14,6 @@ The runtime signals the container process directly by its host pid from the read
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import ctypes
@@ -96,6 +95,7 @@ READ_BYTES: Final = 64 * 1024
 DEFAULT_PATH: Final = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # Unix socket paths are limited by sockaddr_un.sun_path, bytes including the NUL.
 _MAX_SOCKET_PATH: Final = 107
+_USAGE: Final = "usage: python -m podgate.linux.shim --spec FILE [--foreground]"
 # Exit status of the child when it could not exec (as shells report it).
 _EXEC_FAILED: Final = 127
 _NS_KINDS: Final = (("net", ns.CLONE_NEWNET), ("uts", ns.CLONE_NEWUTS), ("ipc", ns.CLONE_NEWIPC))
@@ -824,13 +824,33 @@ def _daemonize() -> None:
         os._exit(0)
 
 
+def _parse_args(argv: Sequence[str]) -> tuple[str, bool]:
+    """(spec file, foreground) of `--spec FILE [--foreground]`. Not argparse: a parser's
+    objects would cost each forked shim about 1 MiB of pages it now shares with the forker."""
+    spec_file, foreground, rest = "", False, list(argv)
+    while rest:
+        arg = rest.pop(0)
+        if arg == "--foreground":
+            foreground = True
+        elif arg == "--spec" and rest:
+            spec_file = rest.pop(0)
+        elif arg.startswith("--spec="):
+            spec_file = arg.removeprefix("--spec=")
+        else:
+            raise ValueError(f"unexpected argument {arg!r}")
+    if not spec_file:
+        raise ValueError("--spec FILE is required")
+    return spec_file, foreground
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m podgate.linux.shim")
-    parser.add_argument("--spec", required=True, help="the shim spec (JSON)")
-    parser.add_argument("--foreground", action="store_true", help="do not fork away")
-    args = parser.parse_args(argv)
-    spec = ShimSpec.from_json(read_json(args.spec))
-    if not args.foreground:
+    try:
+        spec_file, foreground = _parse_args(sys.argv[1:] if argv is None else argv)
+    except ValueError as exc:
+        print(f"{_USAGE}\nerror: {exc}", file=sys.stderr)
+        return 2
+    spec = ShimSpec.from_json(read_json(spec_file))
+    if not foreground:
         _daemonize()
     log: BinaryIO | None = None
     listener: socket.socket | None = None

@@ -129,9 +129,7 @@ class Runtime:
         # The last CPU reading per container: (ns since the epoch, CPU ns), for nano-cores.
         self._cpu_samples: dict[str, tuple[int, int]] = {}
         # Shims and holders are forked from a warm interpreter living as long as this daemon.
-        self.forker = Forker(
-            str(self.store.run_dir / "forker.sock"), str(self.store.run_dir / "forker.log")
-        )
+        self.forker = Forker(str(self.store.run_dir / "forker.log"))
 
     def close(self) -> None:
         """Stop the daemon's helpers (pods and their shims keep running)."""

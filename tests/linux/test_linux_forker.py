@@ -64,10 +64,12 @@ async def _exit_code(shim: ProcessRef, spec: ShimSpec) -> int:
 async def test_a_forked_shim_runs_its_container_and_outlives_the_forker(tmp_path: Path) -> None:
     forker = Forker(str(tmp_path / "f.log"))
     try:
+        await forker.start()  # ahead of the first helper, as the daemon does
+        forker_pid = forker.pid
+        assert forker_pid is not None
         spec = _spec(tmp_path / "c1", "c1", ["sh", "-c", "echo forked; sleep 1; exit 3"])
         ready = await start_shim(spec, spawn=forker.spawn)
-        assert forker.pid is not None
-        forker_pid = forker.pid
+        assert forker.pid == forker_pid
         forker_ref = process_ref(forker_pid)
         # Forked, not a new interpreter: the shim carries the forker's command line, and it
         # was re-parented away from the forker (a new session, forked twice).

@@ -154,6 +154,15 @@ class Forker:
         self._sock: socket.socket | None = None
         self._lock = asyncio.Lock()
 
+    async def start(self) -> None:
+        """Start the forker ahead of the first helper; a failure is only logged (the first
+        helper tries again, and spawns a new interpreter if that fails too)."""
+        async with self._lock:
+            try:
+                await self._ensure_running()
+            except (OSError, TimeoutError) as exc:
+                log.warning("helper forker did not start: %s", exc)
+
     async def spawn(self, module: str, args: list[str], log_file: str) -> None:
         """Fork `python -m module args` (which daemonizes itself when spawned); a spawned one
         if the forker cannot be had. SpawnError if the helper could not be started."""

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
-from podgate.linux.netdev import InterfaceCounters, parse_net_dev, read_net_dev
+from podgate.linux.netdev import InterfaceCounters, parse_net_dev, read_net_dev_at
 
 # The kernel's layout (two header lines, `name:` then 16 columns), spaces squeezed.
 TABLE = "\n".join(
@@ -31,8 +32,8 @@ def test_header_only_is_empty() -> None:
 
 
 def test_own_namespace_has_loopback() -> None:
-    assert "lo" in {i.name for i in read_net_dev(os.getpid())}
+    assert "lo" in {i.name for i in read_net_dev_at(f"/proc/{os.getpid()}/ns/net")}
 
 
-def test_a_gone_process_has_no_interfaces() -> None:
-    assert read_net_dev(2**22 + 1) == []  # above pid_max's ceiling
+def test_a_gone_namespace_has_no_interfaces(tmp_path: Path) -> None:
+    assert read_net_dev_at(str(tmp_path / "unpinned")) == []

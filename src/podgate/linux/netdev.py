@@ -1,8 +1,8 @@
-"""Network interface counters of a network namespace, from /proc/<pid>/net/dev.
+"""Network interface counters of a network namespace, from its /proc/net/dev table.
 
-/proc/<pid>/net shows the network namespace of that process, so no thread has to enter the
-namespace (as /sys/class/net would need a sysfs mounted from inside it). cAdvisor reads pod
-network stats the same way.
+A pod's namespace may be pinned by a file with no process in it, so a thread enters it and
+reads /proc/thread-self/net/dev, which shows that thread's namespace (no sysfs has to be
+mounted from inside, as /sys/class/net would need). cAdvisor reads the same table.
 """
 
 from __future__ import annotations
@@ -10,7 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
-__all__ = ["InterfaceCounters", "parse_net_dev", "read_net_dev"]
+from podgate.linux.ns import NamespaceError, in_netns
+
+__all__ = ["InterfaceCounters", "parse_net_dev", "read_net_dev_at"]
 
 # /proc/net/dev: 8 receive columns (bytes packets errs drop fifo frame compressed multicast),
 # then 8 transmit columns (bytes packets errs drop fifo colls carrier compressed).
@@ -44,10 +46,11 @@ def parse_net_dev(text: str) -> list[InterfaceCounters]:
     return found
 
 
-def read_net_dev(pid: int) -> list[InterfaceCounters]:
-    """The interfaces of the network namespace `pid` is in; none when the process is gone."""
+def read_net_dev_at(netns: str) -> list[InterfaceCounters]:
+    """The interfaces of the network namespace file `netns` (blocks this thread while inside);
+    none when the namespace is gone."""
     try:
-        with open(f"/proc/{pid}/net/dev", encoding="ascii") as f:
+        with in_netns(netns), open("/proc/thread-self/net/dev", encoding="ascii") as f:
             return parse_net_dev(f.read())
-    except (FileNotFoundError, ProcessLookupError):
+    except NamespaceError:
         return []

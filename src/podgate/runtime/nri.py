@@ -96,11 +96,11 @@ class NriAdaptation(Protocol):
 
 
 def netns_path(pod: PodRecord) -> str:
-    """The netns plugins configure: the guest's for sandboxed pods, the holder's otherwise."""
-    if pod.ns_process is None:
+    """The netns plugins configure: the guest's for sandboxed pods, the pod's otherwise."""
+    if not pod.has_namespaces:
         return ""
     try:
-        return f"/proc/{sandbox.container_ns_pid(pod)}/ns/net"
+        return sandbox.container_ns_paths(pod).get("net", "")
     except FailedPreconditionError:
         return ""
 

@@ -232,7 +232,8 @@ class OciContainers:
             hostname=pod.hostname,
             # A sandboxed pod's containers join the guest's namespaces (the pod holder's
             # are the host side of the sandbox).
-            ns_pid=sandbox.container_ns_pid(pod) if pod.ns_process else None,
+            ns_pid=None,
+            ns_paths=sandbox.container_ns_paths(pod) if pod.has_namespaces else {},
             pid_mode=pod.pid_mode
             if pod.pid_mode is NamespaceMode.NODE
             else (NamespaceMode.POD if shared_pid else NamespaceMode.CONTAINER),

@@ -1,9 +1,11 @@
 """Pods and containers in Linux namespaces: the runtime behind the CRI service.
 
-A pod is held by a small holder process that owns its network, UTS and IPC namespaces (and PID
-namespace when the pod shares one). Each container runs under its own shim, which keeps its
-stdio, writes its CRI log and records its exit code. Neither is a child that dies with the
-daemon: a restarted daemon reads its records and finds them again.
+A pod's network, UTS and IPC namespaces are pinned by bind mounts in its run directory
+(podgate.linux.nspin), with no process; a pod that shares a PID namespace needs a PID 1 for
+it, a small holder process that owns all of them. Each container runs under its own shim, which
+keeps its stdio, writes its CRI log and records its exit code; shims are forked from a warm
+interpreter (podgate.linux.forker). Neither is a child that dies with the daemon: a restarted
+daemon reads its records and finds them again.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ from typing import Any
 from podgate import __version__
 from podgate.images.store import ImageStore
 from podgate.linux import holder as holder_mod
+from podgate.linux import nspin
 from podgate.linux import shim as shim_mod
-from podgate.linux.netdev import read_net_dev
+from podgate.linux.forker import Forker
+from podgate.linux.netdev import read_net_dev_at
 from podgate.linux.proc import is_alive, read_json, signal_process
 from podgate.model import (
     ContainerMetadata,
@@ -98,6 +102,14 @@ def _read_text(path: str) -> str | None:
         return None
 
 
+def _shim_pid_mode(pod_mode: NamespaceMode, container_mode: NamespaceMode) -> NamespaceMode:
+    """A pod's shared PID namespace wins; without one, POD means the container's own (as in
+    the OCI spec's namespaces), since no pod PID namespace exists to join."""
+    if pod_mode is NamespaceMode.POD:
+        return NamespaceMode.POD
+    return NamespaceMode.CONTAINER if container_mode is NamespaceMode.POD else container_mode
+
+
 def now_ns() -> int:
     return time.time_ns()
 
@@ -125,6 +137,12 @@ class Runtime:
         self._cpu_samples: dict[str, tuple[int, int]] = {}
         # Lifecycle events for GetContainerEvents; its poll turns unseen exits into events.
         self.events = ContainerEvents(poll=self._refresh_all)
+        # Shims and holders are forked from a warm interpreter living as long as this daemon.
+        self.forker = Forker(str(self.store.run_dir / "forker.log"))
+
+    def close(self) -> None:
+        """Stop the daemon's helpers (pods and their shims keep running)."""
+        self.forker.close()
 
     # ------------------------------------------------------------------ startup
     def load(self) -> None:
@@ -182,13 +200,9 @@ class Runtime:
 
     # ------------------------------------------------------------------ state refresh
     def _refresh_pod(self, pod: PodRecord) -> None:
-        if pod.state is PodState.READY and (
-            pod.holder is None
-            or not is_alive(pod.holder)
-            or (pod.ns_process is not None and not is_alive(pod.ns_process))
-        ):
+        if pod.state is PodState.READY and not self._namespaces_alive(pod):
             log.info(
-                "pod %s: holder is gone; marking it not ready",
+                "pod %s: its namespaces are gone; marking it not ready",
                 pod.id[:12],
                 extra={"pod_id": pod.id},
             )
@@ -218,6 +232,16 @@ class Runtime:
                 pod=copy.copy(pod) if pod is not None else None,
                 containers=containers,
             )
+        )
+
+    @staticmethod
+    def _namespaces_alive(pod: PodRecord) -> bool:
+        if pod.ns_files:
+            return all(nspin.is_pinned(path) for path in pod.ns_files.values())
+        return (
+            pod.holder is not None
+            and is_alive(pod.holder)
+            and (pod.ns_process is None or is_alive(pod.ns_process))
         )
 
     def _refresh_container(self, container: ContainerRecord) -> None:
@@ -301,15 +325,7 @@ class Runtime:
         run = self.store.run_path(pod_id)
         async with self._lock(pod_id):
             try:
-                holder, ns_process = await holder_mod.start_holder(
-                    hostname=pod.hostname,
-                    pid_ns=pod.pid_mode is NamespaceMode.POD,
-                    ready_file=str(run / "holder.json"),
-                    log_file=str(run / "holder.log"),
-                    sysctls=sysctls,
-                    empty_root="" if sandbox.is_sandboxed(pod) else str(run / "holder-root"),
-                )
-                pod.holder, pod.ns_process = holder, ns_process
+                await self._pod_namespaces(pod, run, sysctls)
                 try:
                     self.oci.pod_files(pod, run)
                 except OSError as exc:
@@ -342,11 +358,38 @@ class Runtime:
         )
         return pod_id
 
+    async def _pod_namespaces(self, pod: PodRecord, run: Path, sysctls: dict[str, str]) -> None:
+        """The pod's net, IPC and UTS namespaces: pinned by bind mounts, no process; a pod
+        that shares a PID namespace needs a process as its PID 1, the holder, which holds
+        them all."""
+        if pod.pid_mode is not NamespaceMode.POD:
+            try:
+                pod.ns_files = await asyncio.to_thread(
+                    nspin.pin, str(run / "ns"), pod.hostname, sysctls
+                )
+            except OSError as exc:
+                raise holder_mod.HolderError(f"pod namespaces setup failed: {exc}") from exc
+            return
+        pod.holder, pod.ns_process = await holder_mod.start_holder(
+            hostname=pod.hostname,
+            pid_ns=True,
+            ready_file=str(run / "holder.json"),
+            log_file=str(run / "holder.log"),
+            sysctls=sysctls,
+            empty_root="" if sandbox.is_sandboxed(pod) else str(run / "holder-root"),
+            spawn=self.forker.spawn,
+        )
+
+    async def _release_pod_namespaces(self, pod: PodRecord) -> None:
+        if pod.holder is not None:
+            await holder_mod.stop_holder(pod.holder)
+        if pod.ns_files:
+            await asyncio.to_thread(nspin.unpin, pod.ns_files)
+
     async def _undo_pod_start(self, pod: PodRecord) -> None:
         try:
             await sandbox.stop_for_pod(pod)
-            if pod.holder is not None:
-                await holder_mod.stop_holder(pod.holder)
+            await self._release_pod_namespaces(pod)
         finally:
             self.store.remove_run_path(pod.id)
 
@@ -361,8 +404,7 @@ class Runtime:
             if self.nri is not None and pod.state is PodState.READY:
                 await self.nri.pod_stopping(pod)  # namespaces still exist: plugins tear down
             await sandbox.stop_for_pod(pod)  # sandboxed pods: the shim and the guest
-            if pod.holder is not None:
-                await holder_mod.stop_holder(pod.holder)
+            await self._release_pod_namespaces(pod)
             self.oci.release_pod(pod, self.store.run_path(pod.id))
             was_ready = pod.state is PodState.READY
             pod.state = PodState.NOTREADY
@@ -396,9 +438,10 @@ class Runtime:
             raise FailedPreconditionError(f"NRI PodSandboxStatus failed: {exc}") from exc
 
     def pod_netns_path(self, pod: PodRecord) -> str:
-        if pod.state is not PodState.READY or pod.ns_process is None:
+        path = pod.ns_path("net")
+        if pod.state is not PodState.READY or path is None:
             raise FailedPreconditionError(f"pod sandbox {pod.id} is not ready")
-        return f"/proc/{pod.ns_process.pid}/ns/net"
+        return path
 
     # ------------------------------------------------------------------ containers
     async def create_container(
@@ -519,7 +562,7 @@ class Runtime:
                     f"container {container.id} is {container.state.value}, not created"
                 )
             pod = self.get_pod(container.pod_id)
-            if pod.state is not PodState.READY or pod.ns_process is None:
+            if pod.state is not PodState.READY or not pod.has_namespaces:
                 raise FailedPreconditionError(f"pod sandbox {pod.id} is not ready")
             if self.nri is not None:
                 try:
@@ -544,10 +587,8 @@ class Runtime:
                 tty=spec.tty,
                 stdin=spec.stdin,
                 stdin_once=spec.stdin_once,
-                ns_pid=sandbox.container_ns_pid(pod),  # the guest's, for sandboxed pods
-                pid_mode=spec.pid_mode
-                if pod.pid_mode is not NamespaceMode.POD
-                else NamespaceMode.POD,
+                ns_paths=sandbox.container_ns_paths(pod),  # the guest's, for sandboxed pods
+                pid_mode=_shim_pid_mode(pod.pid_mode, spec.pid_mode),
                 log_file=container.log_file,
                 exit_file=str(run / "exit.json"),
                 attach_socket=str(run / "attach.sock"),
@@ -557,7 +598,7 @@ class Runtime:
                 oci=self.oci.shim_config(container, run) if spec.rootfs else {},
             )
             try:
-                ready = await shim_mod.start_shim(shim_spec)
+                ready = await shim_mod.start_shim(shim_spec, spawn=self.forker.spawn)
             except shim_mod.ShimError as exc:
                 container.state = ContainerState.EXITED
                 container.exit_code = 128
@@ -751,9 +792,9 @@ class Runtime:
         sample = await asyncio.to_thread(cgroups.stats, self.oci.cgroup_parent(pod))
         limit = await asyncio.to_thread(cgroups.memory_limit, self.oci.cgroup_parent(pod))
         interfaces = []
-        ns_process = pod.ns_process if pod.state is PodState.READY else None
-        if ns_process is not None and pod.network_mode is not NamespaceMode.NODE:
-            interfaces = await asyncio.to_thread(read_net_dev, ns_process.pid)
+        netns = pod.ns_path("net") if pod.state is PodState.READY else None
+        if netns is not None and pod.network_mode is not NamespaceMode.NODE:
+            interfaces = await asyncio.to_thread(read_net_dev_at, netns)
         default = next((i for i in interfaces if i.name == DEFAULT_INTERFACE), None) or next(
             (i for i in interfaces if i.name != "lo"), None
         )

@@ -31,7 +31,7 @@ from bench import podstart as bench_podstart
 from bench import proxy as bench_proxy
 from bench import runtime as bench_runtime
 from bench import startup as bench_startup
-from bench.common import LOOP_CHOICES, format_size, parse_size
+from bench.common import LOOP_CHOICES, PARTS, format_size, parse_size
 from bench.portforward import DIRECTIONS, PATH_NAMES, Options, run_all
 from bench.procs import ChildError
 from bench.report import REPORT_WIDTH, markdown, path_descriptions, print_report
@@ -117,6 +117,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--profile-dir",
         type=Path,
         help="run each podgate server under cProfile, stats written here",
+    )
+    parser.add_argument(
+        "--only",
+        type=_names(PARTS),
+        default=None,
+        help="comma-separated parts to run, every other part off (parts: "
+        + ", ".join(PARTS)
+        + "; an empty list runs only the loopback paths)",
     )
     parser.add_argument(
         "--runtime",
@@ -270,6 +278,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.runs < 1:
         parser.error("--runs must be at least 1")
+    if args.only is not None:
+        for part in PARTS:
+            wanted, asked = part in args.only, getattr(args, part)
+            if asked is not None and asked != wanted:
+                switch = f"--{part}" if asked else f"--no-{part}"
+                parser.error(f"{switch} contradicts --only {','.join(args.only)}")
+            setattr(args, part, wanted)
     return args
 
 

@@ -152,3 +152,18 @@ def resolve_loop(choice: str) -> str:
 def run_on(loop: str, main: Coroutine[Any, Any, T]) -> T:
     """Run `main` the way podgate runs its own event loop, on the resolved `loop`."""
     return run(main, use_uvloop=loop == "uvloop")
+
+
+# The parts beside the loopback paths, each with its --PART/--no-PART switch (most on by
+# default as root); --only names the ones to run and turns every other off.
+PARTS = (
+    "runtime",
+    "containerd",
+    "gateway",
+    "forward",
+    "images",
+    "podstart",
+    "authflood",
+    "manyforwards",
+    "proxy",
+)

@@ -23,9 +23,8 @@ def test_podstart_part_starts_pods_in_both_runtimes(tmp_path: Path) -> None:
     done = subprocess.run(
         [
             *(sys.executable, "-m", "bench", "--no-throughput", "--conns", "0"),
-            *("--sessions", "0", "--skip-kubectl", "--skip-socat", "--no-runtime"),
-            *("--no-gateway", "--no-forward", "--no-images", "--no-proxy"),
-            *("--startup-runs", "0", "--podstart", "--podstart-pods", str(PODS)),
+            *("--sessions", "0", "--skip-kubectl", "--skip-socat", "--only", "podstart"),
+            *("--startup-runs", "0", "--podstart-pods", str(PODS)),
             *("--runs", "1", "--json", str(out)),
         ],
         cwd=REPO,

@@ -16,7 +16,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import PATTERN_BYTES, Pattern, Verifier  # noqa: E402
+from bench.common import PARTS, PATTERN_BYTES, Pattern, Verifier  # noqa: E402
 from bench.procs import ProcessSet  # noqa: E402
 
 SIZE = 2 * 1024 * 1024
@@ -29,13 +29,10 @@ MAX_PLAUSIBLE_BYTES_PER_SECOND = 200e9
 def run_bench(tmp_path: Path, *args: str, timeout: float) -> tuple[dict[str, Any], str]:
     """`python -m bench ARGS` to success; its JSON results and the report it printed."""
     out = tmp_path / "results.json"
-    # The image pull part has a smoke test of its own (tests/images/test_bench_images.py).
-    images = [] if "--images" in args else ["--no-images"]
-    # So has the live containerd comparison (test_bench_containerd_part_...).
-    if "--containerd" not in args:
-        images.append("--no-containerd")
+    # Only the parts ARGS turn on: every other has a smoke test of its own.
+    only = ",".join(p for p in PARTS if f"--{p}" in args)
     done = subprocess.run(
-        [sys.executable, "-m", "bench", *args, *images, "--json", str(out)],
+        [sys.executable, "-m", "bench", "--only", only, *args, "--json", str(out)],
         cwd=REPO,
         capture_output=True,
         text=True,

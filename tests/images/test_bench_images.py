@@ -22,8 +22,8 @@ def test_images_part_pulls_with_every_tool(tmp_path: Path) -> None:
     done = subprocess.run(
         [
             *(sys.executable, "-m", "bench", "--no-throughput", "--conns", "0"),
-            *("--sessions", "0", "--skip-kubectl", "--skip-socat", "--no-runtime"),
-            *("--no-gateway", "--no-forward", "--images", "--image-size", "2M"),
+            *("--sessions", "0", "--skip-kubectl", "--skip-socat", "--startup-runs", "0"),
+            *("--only", "images", "--image-size", "2M"),
             *("--runs", "1", "--json", str(out)),
         ],
         cwd=REPO,

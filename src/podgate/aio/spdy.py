@@ -21,6 +21,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Mapping
 
+from podgate.aio import heap
 from podgate.aio.errors import (
     BrokenStreamError,
     ClosedStreamError,
@@ -74,7 +75,8 @@ WINDOW_UPDATE_DIVISOR = 2
 STALLED_STREAM_RESET_SECONDS = 5.0
 # client-go pings every 5 s on a direct SPDY connection (10 s inside the WebSocket tunnel).
 CLIENT_PING_INTERVAL_SECONDS = 5.0
-# Kubernetes' default streaming idle timeout (kubelet, containerd, CRI streaming server).
+# Kubernetes' default streaming idle timeout (kubelet, containerd, CRI streaming server). Idle
+# here means no data and no new stream: unlike spdystream, PINGs do not keep a session alive.
 DEFAULT_IDLE_TIMEOUT_SECONDS = 4 * 3600.0
 # How long aclose waits for GOAWAY and the RST_STREAMs to be written before closing anyway.
 CLOSE_DRAIN_SECONDS = 5.0
@@ -213,6 +215,7 @@ class SpdyStream(ByteStream):
         except ProtocolError as exc:
             raise ClosedStreamError(str(exc)) from exc
         self.bytes_sent += len(data)
+        session._touch()
         session._flush()
         await self._drain()
 
@@ -253,6 +256,7 @@ class SpdyStream(ByteStream):
             except ProtocolError as exc:
                 raise ClosedStreamError(str(exc)) from exc
             self.bytes_sent += len(piece)
+            session._touch()
             session._flush()
             await self._drain()
 
@@ -394,7 +398,6 @@ class SpdySession:
                 self._touch()
                 while not self.goaway_received:
                     data = await self._wire.receive()
-                    self._touch()
                     try:
                         events = self._core.receive_data(data) if data else self._core.receive_eof()
                     except ProtocolError as exc:
@@ -507,6 +510,8 @@ class SpdySession:
 
     # -- internals
     async def _dispatch(self, event: Event) -> None:
+        if isinstance(event, DataReceived | StreamOpened):
+            self._touch()  # the peer's pings (every 5 s from client-go) are not activity
         if isinstance(event, DataReceived):
             stream = self._streams.get(event.stream_id)
             if stream is not None:
@@ -576,7 +581,6 @@ class SpdySession:
                 self._wire.writelines(buffers)
             except StreamError as exc:
                 self.broken = BrokenStreamError(f"connection lost: {exc}")
-            self._touch()
 
     async def _drain(self) -> None:
         if self.broken is not None:
@@ -591,6 +595,8 @@ class SpdySession:
         await asyncio.sleep(0)
 
     def _touch(self) -> None:
+        """Data moved or a stream opened: push the idle deadline out. Only that counts as
+        activity; PINGs do not, or a client that pings would hold an unused session for ever."""
         timeout = self._timeout
         if timeout is not None and self._idle_timeout is not None and not timeout.expired():
             timeout.reschedule(self._loop.time() + self._idle_timeout)
@@ -627,6 +633,7 @@ class SpdySession:
             stream._writable.set()
             stream._window_open.set()
         self._streams.clear()
+        heap.release_soon()  # what this session buffered is free now: give it back
 
     async def _ping_loop(self) -> None:
         assert self._ping_interval is not None

@@ -8,6 +8,7 @@ import contextlib
 import logging
 from collections.abc import Iterable
 
+from podgate.aio import heap
 from podgate.aio.errors import BrokenStreamError, ClosedStreamError, ConflictGuard, StreamError
 from podgate.aio.streams import (
     DEFAULT_RECEIVE_BYTES,
@@ -141,6 +142,7 @@ class ChannelSession:
         # channel nobody reads must not stall the ones that are read.
         self._inbound = set(inbound) if inbound is not None else None
         self._idle_timeout = idle_timeout
+        self._timeout: asyncio.Timeout | None = None
         self.name = name
         self.close_code: int | None = None
         self.broken: BrokenStreamError | None = None
@@ -172,33 +174,16 @@ class ChannelSession:
 
     async def run(self) -> None:
         try:
-            while True:
-                try:
-                    data = await asyncio.wait_for(self._wire.receive(), self._idle_timeout)
-                except TimeoutError:
-                    # Clients ping every few seconds; this long without a frame means gone.
-                    log.info("%s: idle for %.0f s, closing", self.name, self._idle_timeout or 0)
-                    with contextlib.suppress(ProtocolError):
-                        self._core.close(1001, "idle timeout")
-                    self._flush()
-                    break
-                try:
-                    events = self._core.receive_data(data if data else None)
-                except ProtocolError as exc:
-                    log.warning("%s: protocol error from peer: %s", self.name, exc)
-                    self._flush()
-                    break
-                for event in events:
-                    if isinstance(event, ChannelData):
-                        if event.data and self._accepts(event.channel):
-                            await self.stream(event.channel)._feed(event.data)
-                    elif isinstance(event, ChannelClosed):
-                        self.stream(event.channel)._end()
-                    elif isinstance(event, CloseReceived):
-                        self.close_code = event.code
+            try:
+                async with asyncio.timeout(None) as self._timeout:
+                    self._touch()
+                    await self._read_loop()
+            except TimeoutError:
+                # No data either way for that long (pings do not count): an unused session.
+                log.info("%s: idle for %.0f s, closing", self.name, self._idle_timeout or 0)
+                with contextlib.suppress(ProtocolError):
+                    self._core.close(1001, "idle timeout")
                 self._flush()
-                if not data or self.close_code is not None:
-                    break
         except StreamError as exc:
             self.broken = BrokenStreamError(str(exc))
         finally:
@@ -209,10 +194,40 @@ class ChannelSession:
             for stream in self._channels.values():
                 stream._end(lost)
             self.done.set()
+            heap.release_soon()  # what this session buffered is free now: give it back
+
+    async def _read_loop(self) -> None:
+        while True:
+            data = await self._wire.receive()
+            try:
+                events = self._core.receive_data(data if data else None)
+            except ProtocolError as exc:
+                log.warning("%s: protocol error from peer: %s", self.name, exc)
+                self._flush()
+                return
+            for event in events:
+                if isinstance(event, ChannelData):
+                    self._touch()
+                    if event.data and self._accepts(event.channel):
+                        await self.stream(event.channel)._feed(event.data)
+                elif isinstance(event, ChannelClosed):
+                    self.stream(event.channel)._end()
+                elif isinstance(event, CloseReceived):
+                    self.close_code = event.code
+            self._flush()
+            if not data or self.close_code is not None:
+                return
+
+    def _touch(self) -> None:
+        """Data moved: push the idle deadline out (pings and pongs are not activity)."""
+        timeout = self._timeout
+        if timeout is not None and self._idle_timeout is not None and not timeout.expired():
+            timeout.reschedule(asyncio.get_running_loop().time() + self._idle_timeout)
 
     def send_nowait(self, channel: int, data: Buffer) -> None:
         if self.broken is not None:
             raise self.broken
+        self._touch()
         try:
             self._core.send(channel, data)
         except ProtocolError as exc:  # the WebSocket is closing or closed

@@ -14,11 +14,12 @@ import podgate
 from podgate.aio.loop import run, wait_for_signal
 from podgate.cli.errors import listen_failure
 from podgate.cli.logs import setup_logging
+from podgate.cli.node import max_streams_per_user_per_pod_option, stream_idle_timeout_option
 from podgate.cli.nri import nri_config, nri_options
 from podgate.demo.sample_images import SampleImageError, ensure_sample_images
 from podgate.demo.samples import ensure_example, load_example
 from podgate.node.cri_client import CriClient, CriPodSource
-from podgate.node.gateway import GatewayConfig
+from podgate.node.gateway import GatewayConfig, Limits
 from podgate.node.server import running_gateway
 from podgate.node.upstream import CriTarget
 from podgate.runtime.api import NotFoundError
@@ -55,6 +56,8 @@ def default_examples() -> str:
     help="Directory of sample pods (*.json) to run; empty for none.",
 )
 @click.option("--keep-pods", is_flag=True, help="Leave the sample pods running on exit.")
+@max_streams_per_user_per_pod_option
+@stream_idle_timeout_option
 @nri_options
 @click.option(
     "--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True
@@ -66,6 +69,8 @@ def up(
     plain_http: bool,
     examples: str,
     keep_pods: bool,
+    max_streams_per_user_per_pod: int,
+    stream_idle_timeout: float,
     log_format: str,
     verbose: bool,
     **nri: Any,
@@ -93,7 +98,8 @@ def up(
         nri_network=nri["network"] == "nri",
     )
     try:
-        run(_up(config, port, plain_http, samples, keep_pods))
+        limits = Limits(max_streams_per_user_per_pod=max_streams_per_user_per_pod)
+        run(_up(config, port, plain_http, samples, keep_pods, limits, stream_idle_timeout))
     except OSError as exc:
         failure = listen_failure(exc, "127.0.0.1", port)
         if failure is None:
@@ -107,6 +113,8 @@ async def _up(
     plain_http: bool,
     samples: list[dict[str, object]],
     keep: bool,
+    limits: Limits,
+    idle_timeout: float,
 ) -> None:
     state_dir = config.state_dir
     pod_ids: list[str] = []
@@ -116,7 +124,12 @@ async def _up(
         source = CriPodSource(client, target, node=os.uname().nodename)
         node_dir = str(Path(state_dir) / "node")
         gateway_config = GatewayConfig(
-            state_dir=node_dir, cri_socket=running.cri_socket, port=port, plain_http=plain_http
+            state_dir=node_dir,
+            cri_socket=running.cri_socket,
+            port=port,
+            plain_http=plain_http,
+            limits=limits,
+            idle_timeout=idle_timeout,
         )
         try:
             # The gateway binds first: a busy port fails before any pod starts.

@@ -26,6 +26,7 @@ from podgate.aio.errors import (
     BrokenStreamError,
     ClosedStreamError,
     ConflictGuard,
+    StalledStreamError,
     StreamError,
     StreamResetError,
 )
@@ -66,6 +67,10 @@ STREAM_REPLY_TIMEOUT_SECONDS = 30.0
 # Received bytes one stream may hold unread before the whole connection stops reading
 # (without flow control; with it, the window bounds a stream instead).
 MAX_QUEUED_BYTES_PER_STREAM = 2 * 1024 * 1024
+# Received bytes all the streams of one session may hold unread (without flow control): over it
+# the read loop waits for any reader, so many streams just under their own budget still cost
+# the sender's TCP window, not memory (8 streams at their full budget).
+MAX_QUEUED_BYTES_PER_SESSION = 8 * MAX_QUEUED_BYTES_PER_STREAM
 # With flow control, window is handed back once the application has read this fraction
 # (1/N) of it: few WINDOW_UPDATE frames, yet a reader that keeps up never lets the sender stall.
 WINDOW_UPDATE_DIVISOR = 2
@@ -179,6 +184,7 @@ class SpdyStream(ByteStream):
                 size += len(nxt)
             chunk = b"".join(parts)
         self._queued -= len(chunk)
+        self.session._release(len(chunk))
         if self.session._update_threshold:
             self._consumed += len(chunk)
             if self._consumed >= self.session._update_threshold:
@@ -286,6 +292,7 @@ class SpdyStream(ByteStream):
         if data:
             self._chunks.append(data)
             self._queued += len(data)
+            self.session._queued += len(data)
             self.bytes_received += len(data)
             # Under flow control the core already bounds what the peer may send.
             if self._queued > MAX_QUEUED_BYTES_PER_STREAM and not self.session._update_threshold:
@@ -299,6 +306,8 @@ class SpdyStream(ByteStream):
         self._readable.set()
         if not self._writable.is_set():
             await self._wait_for_reader()
+        elif not self.session._update_threshold:
+            await self.session._wait_for_room()
 
     async def _wait_for_reader(self) -> None:
         """Park the read loop (TCP backpressure) until the application reads this stream, but
@@ -316,10 +325,20 @@ class SpdyStream(ByteStream):
                     quiet,
                     self._queued,
                 )
-                self.reset(RstStatus.CANCEL)
+                self._stall(quiet)
                 return
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._writable.wait(), STALLED_STREAM_RESET_SECONDS - quiet)
+
+    def _stall(self, quiet: float) -> None:
+        """RST_STREAM CANCEL for a reader that stalled; it then reads a StalledStreamError."""
+        if self._closed:
+            return
+        if self._reset is None and not self._fin_sent:
+            self.session._core.reset_stream(self.stream_id, RstStatus.CANCEL)
+            self.session._flush()
+        message = f"stream {self.stream_id}: unread for {quiet:.0f} s, reset"
+        self._finish(StalledStreamError(message, RstStatus.CANCEL))
 
     def _finish(self, error: StreamResetError | None, *, keep_data: bool = False) -> None:
         """End the stream: closed by us (error None) or reset. Data the peer sent before its
@@ -328,14 +347,19 @@ class SpdyStream(ByteStream):
             self._reset = error
         if error is None:
             self._closed = True
-            self._chunks.clear()
+            self._drop_chunks()
         elif not keep_data:
-            self._chunks.clear()
+            self._drop_chunks()
         self._ended.set()
         self._readable.set()
         self._writable.set()
         self._window_open.set()
         self.session._forget(self.stream_id)
+
+    def _drop_chunks(self) -> None:
+        self._chunks.clear()
+        self.session._release(self._queued)
+        self._queued = 0
 
     @property
     def fin_received(self) -> bool:
@@ -383,6 +407,11 @@ class SpdySession:
         self.broken: BrokenStreamError | None = None
         self.goaway_received = False
         self.done = asyncio.Event()
+        self._queued = 0  # bytes received and not yet read, over all streams
+        self._room = asyncio.Event()  # set while _queued is within the session's budget
+        self._room.set()
+        self._last_read = self._loop.time()  # the last read on any stream
+        self._over_since = self._last_read  # when _queued last went over the budget
         self._control_tokens = float(CONTROL_FRAME_BURST)
         self._control_stamp = self._loop.time()
 
@@ -594,6 +623,41 @@ class SpdySession:
         # tight loop would otherwise never see the peer's RST_STREAM or GOAWAY.
         await asyncio.sleep(0)
 
+    def _release(self, size: int) -> None:
+        """`size` queued bytes were read or dropped."""
+        self._queued -= size
+        self._last_read = self._loop.time()
+        if self._queued <= MAX_QUEUED_BYTES_PER_SESSION:
+            self._room.set()
+
+    async def _wait_for_room(self) -> None:
+        """Park the read loop while the session holds more than its budget (the sender then
+        meets TCP backpressure). Readers that are merely slow free room; when none has read
+        for STALLED_STREAM_RESET_SECONDS the stream holding the most is reset, as a stalled
+        stream over its own budget is."""
+        while self._queued > MAX_QUEUED_BYTES_PER_SESSION:
+            if self._room.is_set():
+                self._over_since = self._loop.time()
+                self._room.clear()
+            quiet = self._loop.time() - max(self._last_read, self._over_since)
+            if quiet >= STALLED_STREAM_RESET_SECONDS:
+                fullest = max(self._streams.values(), key=lambda s: s._queued, default=None)
+                if fullest is None or not fullest._queued:
+                    return
+                log.warning(
+                    "%s: %d bytes unread for %.0f s on the session: stream %d (%d bytes) reset",
+                    self.name,
+                    self._queued,
+                    quiet,
+                    fullest.stream_id,
+                    fullest._queued,
+                )
+                fullest._stall(quiet)
+                self._over_since = self._loop.time()  # the next one only after another wait
+                continue
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._room.wait(), STALLED_STREAM_RESET_SECONDS - quiet)
+
     def _touch(self) -> None:
         """Data moved or a stream opened: push the idle deadline out. Only that counts as
         activity; PINGs do not, or a client that pings would hold an unused session for ever."""
@@ -641,6 +705,11 @@ class SpdySession:
             await asyncio.sleep(self._ping_interval)
             with contextlib.suppress(TimeoutError, StreamError):
                 await self.ping(timeout=self._ping_interval)
+
+    @property
+    def queued_bytes(self) -> int:
+        """Bytes received and not yet read, over all streams of the session."""
+        return self._queued
 
     @property
     def stream_count(self) -> int:

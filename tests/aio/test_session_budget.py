@@ -16,6 +16,7 @@ from podgate.aio import spdy, wschannel
 from podgate.aio.errors import StalledStreamError, StreamError
 from podgate.aio.spdy import SpdySession, SpdyStream
 from podgate.aio.streams import ByteStream, SocketStream
+from podgate.aio.tasks import cancel_and_wait
 from podgate.aio.wschannel import ChannelSession
 from podgate.proto.spdy import Role as SpdyRole
 from podgate.proto.wschannel import ChannelConnection, PortForwardChannels, Role
@@ -72,9 +73,11 @@ async def test_websocket_channels_together_stay_within_the_session_budget() -> N
     ports = list(range(8000, 8000 + STREAMS))
     client, server = await port_forward_sessions(ports)
     data = [bytes([i]) * PER_STREAM for i in range(STREAMS)]
-    async with asyncio.TaskGroup() as tg:
-        readers = [tg.create_task(s.run()) for s in (client, server)]
-        sends = [tg.create_task(client.stream(2 * i).send(d)) for i, d in enumerate(data)]
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        tasks += [asyncio.create_task(s.run()) for s in (client, server)]
+        sends = [asyncio.create_task(client.stream(2 * i).send(d)) for i, d in enumerate(data)]
+        tasks += sends
         await asyncio.sleep(SETTLE_SECONDS)  # nobody reads on the server yet
         held = server.queued_bytes
         assert held <= wschannel.MAX_QUEUED_BYTES_PER_SESSION + wschannel.SEND_MESSAGE_BYTES
@@ -89,10 +92,10 @@ async def test_websocket_channels_together_stay_within_the_session_budget() -> N
             hashlib.sha256(d).digest() for d in data
         ]
         print(f"session held {held >> 20} MiB of {STREAMS * PER_STREAM >> 20} MiB sent")
+    finally:
+        await cancel_and_wait(*tasks)
         await client.aclose()
         await server.aclose()
-        for task in readers:
-            task.cancel()
 
 
 async def test_a_stalled_port_is_reset_and_the_others_go_on(
@@ -101,24 +104,24 @@ async def test_a_stalled_port_is_reset_and_the_others_go_on(
     monkeypatch.setattr(wschannel, "STALLED_STREAM_RESET_SECONDS", TEST_STALL_SECONDS)
     client, server = await port_forward_sessions([7000, 7001])
     stalled, other = server.stream(0), server.stream(2)
-    async with asyncio.TaskGroup() as tg:
-        readers = [tg.create_task(s.run()) for s in (client, server)]
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        tasks += [asyncio.create_task(s.run()) for s in (client, server)]
         # Port 7000's reader never reads: over its budget, the connection stops reading...
-        tg.create_task(
-            send_until_closed(client.stream(0), 3 * wschannel.MAX_QUEUED_BYTES_PER_CHANNEL)
-        )
+        flood = send_until_closed(client.stream(0), 3 * wschannel.MAX_QUEUED_BYTES_PER_CHANNEL)
+        tasks.append(asyncio.create_task(flood))
         await asyncio.sleep(SETTLE_SECONDS / 10)
-        await client.stream(2).send(b"for 7001")
         # ...until port 7000 is reset: 7001's bytes then arrive.
         async with asyncio.timeout(PROMPT_SECONDS):
+            await client.stream(2).send(b"for 7001")
             assert await receive_exactly(other, 8) == b"for 7001"
             await stalled.stalled.wait()
         with pytest.raises(StalledStreamError):
             await stalled.receive()
+    finally:
+        await cancel_and_wait(*tasks)
         await client.aclose()
         await server.aclose()
-        for task in readers:
-            task.cancel()
 
 
 async def test_spdy_streams_together_stay_within_the_session_budget() -> None:
@@ -132,10 +135,12 @@ async def test_spdy_streams_together_stay_within_the_session_budget() -> None:
     server = SpdySession(b, SpdyRole.SERVER, on_stream=on_stream, idle_timeout=None)
     client = SpdySession(a, SpdyRole.CLIENT, idle_timeout=None)
     data = [bytes([i]) * PER_STREAM for i in range(STREAMS)]
-    async with asyncio.TaskGroup() as tg:
-        readers = [tg.create_task(s.run()) for s in (client, server)]
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        tasks += [asyncio.create_task(s.run()) for s in (client, server)]
         streams = [await client.open_stream({"n": str(i)}) for i in range(STREAMS)]
-        sends = [tg.create_task(s.send(d)) for s, d in zip(streams, data, strict=True)]
+        sends = [asyncio.create_task(s.send(d)) for s, d in zip(streams, data, strict=True)]
+        tasks += sends
         await asyncio.sleep(SETTLE_SECONDS)
         held = server.queued_bytes
         assert held <= spdy.MAX_QUEUED_BYTES_PER_SESSION + spdy.SEND_DATA_FRAME_BYTES
@@ -149,7 +154,7 @@ async def test_spdy_streams_together_stay_within_the_session_budget() -> None:
             hashlib.sha256(d).digest() for d in data
         ]
         print(f"session held {held >> 20} MiB of {STREAMS * PER_STREAM >> 20} MiB sent")
+    finally:
+        await cancel_and_wait(*tasks)
         await client.aclose()
         await server.aclose()
-        for task in readers:
-            task.cancel()

@@ -456,6 +456,7 @@ class SpdySession:
         except StreamError as exc:
             reason = exc
         finally:
+            self._timeout = None  # finished: writes after the end must not reschedule it
             if pinger is not None:
                 pinger.cancel()
             self._teardown(reason)

@@ -263,6 +263,7 @@ class ChannelSession:
         except StreamError as exc:
             self.broken = BrokenStreamError(str(exc))
         finally:
+            self._timeout = None  # finished: sends after the end must not reschedule it
             # Without the peer's close frame the connection was lost, not finished.
             lost = None
             if self.close_code in (None, CloseCode.ABNORMAL):

@@ -26,6 +26,7 @@ from bench import containerd as bench_containerd
 from bench import forward as bench_forward
 from bench import gateway as bench_gateway
 from bench import images as bench_images
+from bench import manyforwards as bench_manyforwards
 from bench import podstart as bench_podstart
 from bench import proxy as bench_proxy
 from bench import runtime as bench_runtime
@@ -222,6 +223,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"length of the anonymous flood (default {bench_authflood.FLOOD_SECONDS:g})",
     )
     parser.add_argument(
+        "--manyforwards",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also hold thousands of concurrent forwards to one pod through the gateway, one "
+        "kubectl port-forward per user (default: on as root, unless --skip-kubectl)",
+    )
+    parser.add_argument(
+        "--manyforwards-conns",
+        type=int,
+        default=bench_manyforwards.PER_USER,
+        help="connections per user in that part "
+        f"(default {bench_manyforwards.PER_USER}, {bench_manyforwards.USERS} users)",
+    )
+    parser.add_argument(
         "--proxy",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -317,6 +332,12 @@ def main(argv: list[str] | None = None) -> int:
     podstart = None
     with_authflood = args.authflood if args.authflood is not None else not args.skip_kubectl
     authflood = None
+    with_manyforwards = (
+        args.manyforwards
+        if args.manyforwards is not None
+        else os.geteuid() == 0 and not args.skip_kubectl
+    )
+    manyforwards = None
     with_proxy = args.proxy if args.proxy is not None else os.geteuid() == 0
     proxy = None
     try:
@@ -352,6 +373,10 @@ def main(argv: list[str] | None = None) -> int:
             authflood = bench_authflood.run_authflood(
                 args.kubectl, progress, args.authflood_seconds
             )
+        if with_manyforwards:
+            manyforwards = bench_manyforwards.run_manyforwards(
+                args.kubectl, progress, per_user=args.manyforwards_conns
+            )
         if with_proxy:
             proxy_size = args.proxy_size or min(bench_proxy.DEFAULT_SIZE, options.size)
             proxy_calls = args.proxy_calls or bench_proxy.default_calls(options.size)
@@ -379,6 +404,8 @@ def main(argv: list[str] | None = None) -> int:
         data["podstart"] = podstart
     if authflood is not None:
         data["authflood"] = authflood
+    if manyforwards is not None:
+        data["manyforwards"] = manyforwards
     if proxy is not None:
         data["proxy"] = proxy
     args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -394,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         + ("\n" + bench_images.markdown(images) if images is not None else "")
         + ("\n" + bench_podstart.markdown(podstart) if podstart is not None else "")
         + ("\n" + bench_authflood.markdown(authflood) if authflood is not None else "")
+        + ("\n" + bench_manyforwards.markdown(manyforwards) if manyforwards is not None else "")
         + ("\n" + bench_proxy.markdown(proxy) if proxy is not None else "")
     )
     print_report(data, console)
@@ -413,6 +441,8 @@ def main(argv: list[str] | None = None) -> int:
         bench_podstart.print_report(podstart, console)
     if authflood is not None:
         bench_authflood.print_report(authflood, console)
+    if manyforwards is not None:
+        bench_manyforwards.print_report(manyforwards, console)
     if proxy is not None:
         bench_proxy.print_report(proxy, console)
     console.print(f"results: {args.json} and {md_path}")
@@ -428,6 +458,8 @@ def main(argv: list[str] | None = None) -> int:
     if podstart is not None and bench_podstart.failed(podstart):
         return 1
     if authflood is not None and bench_authflood.failed(authflood):
+        return 1
+    if manyforwards is not None and bench_manyforwards.failed(manyforwards):
         return 1
     if proxy is not None and bench_proxy.failed(proxy):
         return 1

@@ -11,8 +11,9 @@ timed from the first call to the RUNNING answer. Pods are started one after anot
 alternating the runtimes, and all stay up until every pod has started; then the PSS
 (/proc/PID/smaps_rollup) of each runtime's per-pod processes is summed per pod:
 
-    podgate     the pod holder (and the process holding its namespaces when it is another)
-                plus the container's shim
+    podgate     the container's shim, plus the pod holder (and the process holding its
+                namespaces when it is another) if the pod has one: here it has none, its
+                namespaces are pinned by bind mounts
     containerd  containerd-shim-runc-v2 plus the sandbox ("pause") process
 
 The container's own process (`sleep`) is the workload and counted for neither. The pods use
@@ -158,13 +159,26 @@ def _children(parent: int) -> list[int]:
 
 
 def podgate_pod_pids(state: Path, sandbox: str, container: str) -> dict[str, int]:
-    """The holder, the namespace holder (if another process) and the container's shim."""
+    """The container's shim, and the pod's holder processes if it has any (a pod without a
+    shared PID namespace has its namespaces pinned by bind mounts, no process)."""
     pod = json.loads((state / "pods" / f"{sandbox}.json").read_text())
     ctr = json.loads((state / "containers" / f"{container}.json").read_text())
-    pids = {"holder": pod["holder"]["pid"], "shim": ctr["shim"]["pid"]}
-    if pod.get("ns_process") and pod["ns_process"]["pid"] != pids["holder"]:
+    pids = {"shim": ctr["shim"]["pid"]}
+    if pod.get("holder"):
+        pids["holder"] = pod["holder"]["pid"]
+    if pod.get("ns_process") and pod["ns_process"]["pid"] != pod["holder"]["pid"]:
         pids["ns holder"] = pod["ns_process"]["pid"]
     return pids
+
+
+def podgate_node_pids(daemon: int) -> dict[str, int]:
+    """podgate's per-node helpers beside the daemon: the helper forker (the shims' parent
+    interpreter; they share its unchanged pages)."""
+    for pid in _children(daemon):
+        with contextlib.suppress(OSError):
+            if b"podgate.linux.forker" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return {"helper forker": pid}
+    return {}
 
 
 def containerd_pod_pids(
@@ -253,6 +267,10 @@ def run_podstart(pods: int, progress: Progress) -> dict[str, Any]:
                     if row["error"] is None:
                         pids = containerd_pod_pids(ctrd, ctrd.runtime, row["container"])
                         section["memory"]["containerd"].append(_pss_sum(pids))
+                section["node"] = {
+                    f"podgate {role}": pss_kib(pid) or 0
+                    for role, pid in podgate_node_pids(daemon.proc.pid).items()
+                }
             finally:
                 progress("podstart: removing the pods")
                 for tool in TOOLS:
@@ -340,9 +358,9 @@ def tables(section: dict[str, Any]) -> SectionTables:
     title = f"pod start (sandbox + container until RUNNING), {section['pods']} pods per runtime"
     note = (
         "p99 is the nearest rank (with 20 pods: the slowest). PSS/pod: median over the pods "
-        "of the summed PSS of the runtime's per-pod processes, all pods up; podgate: holder + "
-        "shim, containerd: shim + sandbox (pause) process; the container's own process is "
-        "not counted."
+        "of the summed PSS of the runtime's per-pod processes, all pods up; podgate: shim (+ "
+        "holder when the pod has one), containerd: shim + sandbox (pause) process; the "
+        "container's own process is not counted."
     )
     return [(title, note, HEADERS, rows)]
 
@@ -354,6 +372,12 @@ def _notes(section: dict[str, Any]) -> list[str]:
             parts = ", ".join(f"{r} {kib / 1024:.1f}" for r, kib in s["by_process"].items())
             notes.append(f"{s['tool']} PSS MiB per process (median): {parts}")
         notes += [f"{s['tool']} failed: {e}" for e in s["errors"]]
+    pods = max(1, len(section["memory"]["podgate"]))
+    for role, kib in section.get("node", {}).items():
+        notes.append(
+            f"{role} (one per node, not in PSS/pod): {kib / 1024:.1f} MiB, "
+            f"{kib / 1024 / pods:.2f} MiB per pod over {pods} pods"
+        )
     return notes
 
 

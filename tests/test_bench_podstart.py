@@ -43,7 +43,10 @@ def test_podstart_part_starts_pods_in_both_runtimes(tmp_path: Path) -> None:
     for tool in ("podgate", "containerd"):
         memory = section["memory"][tool]
         assert len(memory) == PODS
-        # Per pod: at least two live processes (a holder or pause, and a shim), each with PSS.
-        assert all(m["pids"] >= 2 and m["kib"] > 0 for m in memory), memory
+        # Per pod: live processes with PSS: containerd's shim and pause; podgate's shim (its
+        # plain pods' namespaces are pinned by bind mounts, no holder process).
+        least = 2 if tool == "containerd" else 1
+        assert all(m["pids"] >= least and m["kib"] > 0 for m in memory), memory
+        assert all(v > 0 for m in memory for v in m["by_process"].values()), memory
     assert "pod start" in done.stdout
     assert "pod start" in (tmp_path / "results.md").read_text()

@@ -66,6 +66,9 @@ class PodRecord:
     # The process whose namespaces are the pod's (the holder's PID-1 child when the pod
     # shares a PID namespace, else the holder itself).
     ns_process: ProcessRef | None = None
+    # The pod's net, ipc and uts namespaces pinned by bind mounts ({"net": file, ...}) when no
+    # process holds them (a pod without a shared PID namespace has no holder process).
+    ns_files: dict[str, str] = field(default_factory=dict)
     ip: str = ""
     additional_ips: list[str] = field(default_factory=list)
     # CRI LinuxPodSandboxConfig.cgroup_parent ("" = podgate's own parent) and privileged flag.
@@ -74,8 +77,27 @@ class PodRecord:
     # CRI DNSConfig as {"servers": [...], "searches": [...], "options": [...]}; None = absent.
     dns: dict[str, list[str]] | None = None
     sysctls: dict[str, str] = field(default_factory=dict)
+    # Pod-level CRI LinuxContainerResources (overhead, and the sum of the containers'), as
+    # ContainerSpec.resources keeps them: from RunPodSandbox, then UpdatePodSandboxResources.
+    overhead: dict[str, Any] = field(default_factory=dict)
+    resources: dict[str, Any] = field(default_factory=dict)
     # Anything extra the network or sandbox layers need to keep (e.g. sandbox dirs).
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def ns_path(self, kind: str) -> str | None:
+        """The file of the pod's `kind` namespace ("net", "ipc", "uts", "pid"); None when
+        the pod has no such namespace of its own."""
+        pinned = self.ns_files.get(kind)
+        if pinned:
+            return pinned
+        if self.ns_process is not None:
+            return f"/proc/{self.ns_process.pid}/ns/{kind}"
+        return None
+
+    @property
+    def has_namespaces(self) -> bool:
+        """Whether the pod's namespaces exist in the record (pinned or held by a process)."""
+        return bool(self.ns_files) or self.ns_process is not None
 
 
 @dataclass(slots=True)
@@ -185,12 +207,15 @@ def pod_from_json(data: dict[str, Any]) -> PodRecord:
         ipc_mode=NamespaceMode(data.get("ipc_mode", NamespaceMode.POD)),
         holder=ProcessRef(**data["holder"]) if data.get("holder") else None,
         ns_process=ProcessRef(**data["ns_process"]) if data.get("ns_process") else None,
+        ns_files=dict(data.get("ns_files", {})),
         ip=data.get("ip", ""),
         additional_ips=list(data.get("additional_ips", [])),
         cgroup_parent=data.get("cgroup_parent", ""),
         privileged=bool(data.get("privileged", False)),
         dns=data.get("dns"),
         sysctls=dict(data.get("sysctls", {})),
+        overhead=dict(data.get("overhead", {})),
+        resources=dict(data.get("resources", {})),
         extra=dict(data.get("extra", {})),
     )
 

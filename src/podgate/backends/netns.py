@@ -27,15 +27,21 @@ class NetnsBackend:
         self.pools = NetnsPools(self.worker)
 
     async def open(self, pod: PodRecord, port: int, protocol: str = "tcp") -> ByteStream:
-        if pod.ns_process is None:
+        path = pod.ns_path("net")
+        if path is None:
             raise BackendError(f"network namespace for sandbox {pod.id!r} is closed")
-        path = f"/proc/{pod.ns_process.pid}/ns/net"
         if protocol == "udp":
             return await self._open_udp(pod, path, port)
         if protocol != "tcp":
             raise BackendError(f"unsupported port-forward protocol {protocol!r}")
         try:
-            maker = self.pools.for_process(pod.ns_process.pid, pod.ns_process.start_time)
+            # A pool holds its sockets until the pod's process exits; pinned namespaces have
+            # no process to watch, so their sockets are made per connection.
+            maker = (
+                self.pools.for_process(pod.ns_process.pid, pod.ns_process.start_time)
+                if pod.ns_process is not None and not pod.ns_files
+                else self.worker
+            )
             sock = await connect_in_netns(maker, path, port, label=pod.id)
         except (ConnectError, OSError) as exc:
             raise BackendError(

@@ -15,6 +15,7 @@ from podgate.node.audit import DEFAULT_AUDIT_KEEP, DEFAULT_AUDIT_MAX_BYTES
 from podgate.node.cri_client import CriClient, CriPodSource
 from podgate.node.gateway import (
     DEFAULT_IDLE_TIMEOUT_SECONDS,
+    DEFAULT_MAX_FORWARDS_PER_SESSION,
     DEFAULT_MAX_STREAMS_PER_POD,
     DEFAULT_MAX_STREAMS_PER_USER,
     DEFAULT_MAX_STREAMS_PER_USER_PER_POD,
@@ -80,6 +81,14 @@ def gateway_options(f: click.decorators.FC) -> click.decorators.FC:
                 type=float,
                 default=None,
                 help="Rate limit of each stream, each way (default: none).",
+            ),
+            click.option(
+                "--max-forwards-per-session",
+                default=DEFAULT_MAX_FORWARDS_PER_SESSION,
+                show_default=True,
+                type=click.IntRange(min=1),
+                help="Connections one port-forward session may carry at once (the gateway "
+                "opens as many runtime sessions as they need).",
             ),
             click.option(
                 "--max-streams-per-user",
@@ -171,6 +180,7 @@ def make_config(
     max_streams_per_pod: int,
     stream_idle_timeout: float,
     max_streams_per_user_per_pod: int = DEFAULT_MAX_STREAMS_PER_USER_PER_POD,
+    max_forwards_per_session: int = DEFAULT_MAX_FORWARDS_PER_SESSION,
     plain_http: bool,
     tls_cert: str = "",
     tls_key: str = "",
@@ -196,6 +206,7 @@ def make_config(
             max_streams_per_pod=max_streams_per_pod,
             max_bytes_per_sec=max_bytes_per_sec,
             max_streams_per_user_per_pod=max_streams_per_user_per_pod,
+            max_forwards_per_session=max_forwards_per_session,
         ),
         plain_http=plain_http,
         idle_timeout=stream_idle_timeout,

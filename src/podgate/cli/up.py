@@ -19,7 +19,7 @@ from podgate.cli.nri import nri_config, nri_options
 from podgate.demo.sample_images import SampleImageError, ensure_sample_images
 from podgate.demo.samples import ensure_example, load_example
 from podgate.node.cri_client import CriClient, CriPodSource
-from podgate.node.gateway import GatewayConfig, Limits
+from podgate.node.gateway import DEFAULT_MAX_FORWARDS_PER_SESSION, GatewayConfig, Limits
 from podgate.node.server import running_gateway
 from podgate.node.upstream import CriTarget
 from podgate.runtime.api import NotFoundError
@@ -58,6 +58,13 @@ def default_examples() -> str:
 @click.option("--keep-pods", is_flag=True, help="Leave the sample pods running on exit.")
 @max_streams_per_user_per_pod_option
 @stream_idle_timeout_option
+@click.option(
+    "--max-forwards-per-session",
+    default=DEFAULT_MAX_FORWARDS_PER_SESSION,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Connections one port-forward session may carry at once.",
+)
 @nri_options
 @click.option(
     "--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True
@@ -71,6 +78,7 @@ def up(
     keep_pods: bool,
     max_streams_per_user_per_pod: int,
     stream_idle_timeout: float,
+    max_forwards_per_session: int,
     log_format: str,
     verbose: bool,
     **nri: Any,
@@ -98,7 +106,10 @@ def up(
         nri_network=nri["network"] == "nri",
     )
     try:
-        limits = Limits(max_streams_per_user_per_pod=max_streams_per_user_per_pod)
+        limits = Limits(
+            max_streams_per_user_per_pod=max_streams_per_user_per_pod,
+            max_forwards_per_session=max_forwards_per_session,
+        )
         run(_up(config, port, plain_http, samples, keep_pods, limits, stream_idle_timeout))
     except OSError as exc:
         failure = listen_failure(exc, "127.0.0.1", port)

@@ -20,6 +20,7 @@ from typing import Final
 
 from podgate.linux import ns
 from podgate.linux.proc import (
+    Spawn,
     SpawnError,
     atomic_write_json,
     process_ref,
@@ -193,27 +194,32 @@ async def start_holder(
     sysctls: dict[str, str] | None = None,
     empty_root: str = "",
     timeout: float = HOLDER_START_TIMEOUT,
+    spawn: Spawn | None = None,
 ) -> tuple[ProcessRef, ProcessRef]:
     """Start a detached holder and wait for it; returns (holder, namespace process) refs.
 
-    Raises HolderError with the holder's message if it failed.
+    Raises HolderError with the holder's message if it failed. `spawn` starts it another way
+    (podgate.linux.forker) than a new interpreter.
     """
     try:
         os.unlink(ready_file)
     except FileNotFoundError:
         pass
-    argv = [sys.executable, "-m", "podgate.linux.holder", "--ready-file", ready_file]
+    args = ["--ready-file", ready_file]
     if hostname:
-        argv += ["--hostname", hostname]
+        args += ["--hostname", hostname]
     if pid_ns:
-        argv.append("--pid-ns")
+        args.append("--pid-ns")
     for key, value in (sysctls or {}).items():
-        argv += ["--sysctl", f"{key}={value}"]
+        args += ["--sysctl", f"{key}={value}"]
     if empty_root:
         os.makedirs(empty_root, mode=0o755, exist_ok=True)
-        argv += ["--empty-root", empty_root]
+        args += ["--empty-root", empty_root]
     try:
-        await spawn_detached(argv, log_file)
+        if spawn is not None:
+            await spawn("podgate.linux.holder", args, log_file)
+        else:
+            await spawn_detached([sys.executable, "-m", "podgate.linux.holder", *args], log_file)
         data = await wait_ready_file(ready_file, timeout, log_file)
     except SpawnError as exc:
         raise HolderError(str(exc)) from exc

@@ -18,7 +18,7 @@ import struct
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any, Final, Protocol, TypeVar
 
 from podgate.aio.errors import ConnectError
@@ -33,6 +33,8 @@ __all__ = [
     "CLONE_NEWUSER",
     "CLONE_NEWUTS",
     "IFF_UP",
+    "MNT_DETACH",
+    "MS_BIND",
     "MS_NODEV",
     "MS_NOEXEC",
     "MS_NOSUID",
@@ -42,6 +44,7 @@ __all__ = [
     "NamespaceRestoreError",
     "NetnsWorker",
     "connect_in_netns",
+    "drop_namespace_mounts",
     "enter_empty_root",
     "in_netns",
     "link_flags",
@@ -52,6 +55,7 @@ __all__ = [
     "set_link_up",
     "setns",
     "socket_in_netns",
+    "umount",
     "unshare",
 ]
 
@@ -134,7 +138,11 @@ def mount(
 
 
 _SYS_PIVOT_ROOT: Final = {"x86_64": 155, "aarch64": 41}
-_MNT_DETACH: Final = 2
+MNT_DETACH: Final = 2
+
+
+def umount(target: str, flags: int = 0) -> None:
+    _check(_libc.umount2(os.fsencode(target), flags), f"umount {target}")
 
 
 def enter_empty_root(directory: str) -> None:
@@ -148,13 +156,27 @@ def enter_empty_root(directory: str) -> None:
     if number is None:
         raise OSError(errno.ENOSYS, f"pivot_root: unknown architecture {platform.machine()}")
     _check(_libc.syscall(number, b".", b"."), "pivot_root")
-    _check(_libc.umount2(b".", _MNT_DETACH), "umount old root")
+    _check(_libc.umount2(b".", MNT_DETACH), "umount old root")
     os.chdir("/")
 
 
 def make_mounts_private() -> None:
     """Stop mount events propagating out of (or into) the current mount namespace."""
     mount(None, "/", None, MS_REC | MS_PRIVATE)
+
+
+def drop_namespace_mounts() -> None:
+    """Detach every namespace file mounted in the current (private) mount namespace: a copy
+    of another pod's pinned namespace would keep that namespace alive after its pod is gone."""
+    with open("/proc/self/mountinfo", "rb") as f:
+        lines = f.read().splitlines()
+    for line in lines:
+        fields, _, rest = line.partition(b" - ")
+        if rest.split(b" ", 1)[0] != b"nsfs":
+            continue
+        target = fields.split(b" ")[4].decode("unicode_escape")  # octal escapes: \040
+        with suppress(OSError):
+            umount(target, MNT_DETACH)
 
 
 def ns_path(pid: int, kind: str) -> str:

@@ -8,15 +8,19 @@ import os
 import signal
 import subprocess
 import time
-from typing import Any, Final
+from collections.abc import Awaitable, Callable
+from typing import Any, Final, TypeAlias
 
 from podgate.files import atomic_write
 from podgate.model import ProcessRef
 
 __all__ = [
+    "Spawn",
     "SpawnError",
     "atomic_write_json",
+    "helper_env",
     "is_alive",
+    "log_tail",
     "process_ref",
     "read_json",
     "read_stat",
@@ -176,10 +180,16 @@ def _source_root() -> str:
     return os.path.dirname(os.path.dirname(os.path.abspath(podgate.__file__)))
 
 
-def _spawn_and_reap(argv: list[str], log_file: str) -> int:
+def helper_env() -> dict[str, str]:
+    """The environment of a helper interpreter: ours, with podgate's sources importable."""
     env = dict(os.environ)
     root = _source_root()
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def _spawn_and_reap(argv: list[str], log_file: str) -> int:
+    env = helper_env()
     with open(log_file, "ab") as log:
         proc = subprocess.Popen(
             argv,
@@ -195,14 +205,19 @@ def _spawn_and_reap(argv: list[str], log_file: str) -> int:
     return proc.wait()
 
 
+# Starts `python -m MODULE ARGS` some other way than a new interpreter (podgate.linux.forker):
+# (module, args, log_file).
+Spawn: TypeAlias = Callable[[str, list[str], str], Awaitable[None]]
+
+
 async def spawn_detached(argv: list[str], log_file: str) -> None:
     """Start a helper that daemonizes itself (new session, stdio to /dev/null and `log_file`)."""
     code = await asyncio.to_thread(_spawn_and_reap, argv, log_file)
     if code != 0:
-        raise SpawnError(f"{' '.join(argv[:3])} exited with {code}: {_log_tail(log_file)}")
+        raise SpawnError(f"{' '.join(argv[:3])} exited with {code}: {log_tail(log_file)}")
 
 
-def _log_tail(path: str, limit: int = _LOG_TAIL_BYTES) -> str:
+def log_tail(path: str, limit: int = _LOG_TAIL_BYTES) -> str:
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
@@ -225,7 +240,7 @@ async def wait_ready_file(path: str, timeout: float, log_file: str) -> dict[str,
                 raise SpawnError(str(data["error"]))
             return data
         if time.monotonic() >= deadline:
-            tail = _log_tail(log_file)
+            tail = log_tail(log_file)
             raise SpawnError(
                 f"no ready file {path} after {timeout:g}s" + (f": {tail}" if tail else "")
             )

@@ -14,7 +14,6 @@ The runtime signals the container process directly by its host pid from the read
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import ctypes
@@ -34,6 +33,7 @@ from typing import Any, BinaryIO, Final
 from podgate.aio.errors import map_os_errors
 from podgate.linux import ns
 from podgate.linux.proc import (
+    Spawn,
     SpawnError,
     atomic_write_json,
     process_ref,
@@ -95,6 +95,7 @@ READ_BYTES: Final = 64 * 1024
 DEFAULT_PATH: Final = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # Unix socket paths are limited by sockaddr_un.sun_path, bytes including the NUL.
 _MAX_SOCKET_PATH: Final = 107
+_USAGE: Final = "usage: python -m podgate.linux.shim --spec FILE [--foreground]"
 # Exit status of the child when it could not exec (as shells report it).
 _EXEC_FAILED: Final = 127
 _NS_KINDS: Final = (("net", ns.CLONE_NEWNET), ("uts", ns.CLONE_NEWUTS), ("ipc", ns.CLONE_NEWIPC))
@@ -105,7 +106,9 @@ _NS_KINDS: Final = (("net", ns.CLONE_NEWNET), ("uts", ns.CLONE_NEWUTS), ("ipc", 
 
 @dataclass(slots=True)
 class ShimSpec:
-    """What one shim runs. `ns_pid` is the pod's namespace process (None: the host's)."""
+    """What one shim runs. `ns_paths` are the pod's namespace files ("net", "uts", "ipc", and
+    "pid" when shared); `ns_pid`, the pod's namespace process, stands for them when they are
+    not given (neither: the host's)."""
 
     container_id: str
     command: list[str]
@@ -121,6 +124,7 @@ class ShimSpec:
     stdin: bool = False
     stdin_once: bool = False
     ns_pid: int | None = None
+    ns_paths: dict[str, str] = field(default_factory=dict)
     pid_mode: NamespaceMode = NamespaceMode.CONTAINER
     log_file: str = ""  # CRI log file; "" = no log
     shim_log: str = ""  # the shim's own stderr; "" = `<ready_file>.log`
@@ -146,6 +150,7 @@ class ShimSpec:
             "stdin": self.stdin,
             "stdin_once": self.stdin_once,
             "ns_pid": self.ns_pid,
+            "ns_paths": dict(self.ns_paths),
             "pid_mode": int(self.pid_mode),
             "log_file": self.log_file,
             "shim_log": self.shim_log,
@@ -295,17 +300,18 @@ def _open_namespaces(spec: ShimSpec) -> list[tuple[int, int]]:
     """Join the pod's PID namespace (for our children) and open the others for the child."""
     if spec.pid_mode is NamespaceMode.TARGET:
         raise _StartError("pid namespace mode TARGET is not supported")
-    if spec.pid_mode is NamespaceMode.POD and spec.ns_pid is None:
-        raise _StartError("pid namespace mode POD needs the pod's namespace process")
+    paths = dict(spec.ns_paths)
+    if not paths and spec.ns_pid is not None:
+        paths = {kind: ns.ns_path(spec.ns_pid, kind) for kind in ("net", "uts", "ipc", "pid")}
+    if spec.pid_mode is NamespaceMode.POD and "pid" not in paths:
+        raise _StartError("pid namespace mode POD needs the pod's PID namespace")
     fds: list[tuple[int, int]] = []
     try:
-        if spec.ns_pid is not None:
-            for kind, nstype in _NS_KINDS:
-                path = ns.ns_path(spec.ns_pid, kind)
-                fds.append((os.open(path, os.O_RDONLY | os.O_CLOEXEC), nstype))
+        for kind, nstype in _NS_KINDS:
+            if kind in paths:
+                fds.append((os.open(paths[kind], os.O_RDONLY | os.O_CLOEXEC), nstype))
         if spec.pid_mode is NamespaceMode.POD:
-            assert spec.ns_pid is not None
-            pid_fd = os.open(ns.ns_path(spec.ns_pid, "pid"), os.O_RDONLY | os.O_CLOEXEC)
+            pid_fd = os.open(paths["pid"], os.O_RDONLY | os.O_CLOEXEC)
             try:
                 ns.setns(pid_fd, ns.CLONE_NEWPID)
             finally:
@@ -356,6 +362,7 @@ def _child(spec: ShimSpec, stdio: _Stdio, ns_fds: list[tuple[int, int]], report:
         step = "create mount namespace"
         ns.unshare(ns.CLONE_NEWNS)
         ns.make_mounts_private()
+        ns.drop_namespace_mounts()
         for bind in spec.mounts:
             step = f"mount {bind.get('host_path')!r} on {bind.get('container_path')!r}"
             _bind_mount(spec.root_dir, bind)
@@ -817,13 +824,33 @@ def _daemonize() -> None:
         os._exit(0)
 
 
+def _parse_args(argv: Sequence[str]) -> tuple[str, bool]:
+    """(spec file, foreground) of `--spec FILE [--foreground]`. Not argparse: a parser's
+    objects would cost each forked shim about 1 MiB of pages it now shares with the forker."""
+    spec_file, foreground, rest = "", False, list(argv)
+    while rest:
+        arg = rest.pop(0)
+        if arg == "--foreground":
+            foreground = True
+        elif arg == "--spec" and rest:
+            spec_file = rest.pop(0)
+        elif arg.startswith("--spec="):
+            spec_file = arg.removeprefix("--spec=")
+        else:
+            raise ValueError(f"unexpected argument {arg!r}")
+    if not spec_file:
+        raise ValueError("--spec FILE is required")
+    return spec_file, foreground
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m podgate.linux.shim")
-    parser.add_argument("--spec", required=True, help="the shim spec (JSON)")
-    parser.add_argument("--foreground", action="store_true", help="do not fork away")
-    args = parser.parse_args(argv)
-    spec = ShimSpec.from_json(read_json(args.spec))
-    if not args.foreground:
+    try:
+        spec_file, foreground = _parse_args(sys.argv[1:] if argv is None else argv)
+    except ValueError as exc:
+        print(f"{_USAGE}\nerror: {exc}", file=sys.stderr)
+        return 2
+    spec = ShimSpec.from_json(read_json(spec_file))
+    if not foreground:
         _daemonize()
     log: BinaryIO | None = None
     listener: socket.socket | None = None
@@ -865,12 +892,14 @@ async def start_shim(
     *,
     spec_file: str | None = None,
     timeout: float = SHIM_START_TIMEOUT,
+    spawn: Spawn | None = None,
 ) -> ShimReady:
     """Start a detached shim for `spec` and wait until its container runs.
 
     The spec is written to `spec_file` (default `<ready_file>.spec`), the shim's own stderr
     goes to `spec.shim_log` (default `<ready_file>.log`). Raises ShimError with the shim's
-    message (e.g. the executable was not found) on failure.
+    message (e.g. the executable was not found) on failure. `spawn(module, args,
+    log_file)` starts the shim another way (podgate.linux.forker) than a new interpreter.
     """
     spec_file = spec_file or f"{spec.ready_file}.spec"
     log_file = spec.shim_log or f"{spec.ready_file}.log"
@@ -879,9 +908,12 @@ async def start_shim(
             os.unlink(stale)
     atomic_write_json(spec_file, spec.to_json())
     try:
-        await spawn_detached(
-            [sys.executable, "-m", "podgate.linux.shim", "--spec", spec_file], log_file
-        )
+        if spawn is not None:
+            await spawn("podgate.linux.shim", ["--spec", spec_file], log_file)
+        else:
+            await spawn_detached(
+                [sys.executable, "-m", "podgate.linux.shim", "--spec", spec_file], log_file
+            )
         data = await wait_ready_file(spec.ready_file, timeout, log_file)
     except SpawnError as exc:
         raise ShimError(str(exc)) from exc

@@ -105,12 +105,16 @@ def pod_sandbox(pod: PodRecord, *, netns_path: str, ips: Sequence[str]) -> api.P
     namespaces = message.linux.namespaces
     if pod.network_mode is not NamespaceMode.NODE and netns_path:
         namespaces.add(type="network", path=netns_path)
-    if pod.ns_process is not None:
-        proc = f"/proc/{pod.ns_process.pid}/ns"
-        if pod.ipc_mode is NamespaceMode.POD:
-            namespaces.add(type="ipc", path=f"{proc}/ipc")
-        if pod.pid_mode is NamespaceMode.POD:
-            namespaces.add(type="pid", path=f"{proc}/pid")
+    ipc, pid = pod.ns_path("ipc"), pod.ns_path("pid")
+    if pod.ipc_mode is NamespaceMode.POD and ipc is not None:
+        namespaces.add(type="ipc", path=ipc)
+    if pod.pid_mode is NamespaceMode.POD and pid is not None:
+        namespaces.add(type="pid", path=pid)
+    # The pod-level resources as recorded (containerd: the sandbox config's); unset when none.
+    if pod.overhead:
+        message.linux.pod_overhead.CopyFrom(nri_resources(pod.overhead))
+    if pod.resources:
+        message.linux.pod_resources.CopyFrom(nri_resources(pod.resources))
     return message
 
 

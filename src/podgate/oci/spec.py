@@ -10,7 +10,7 @@ and namespace rules) are containerd v2.0's CRI plugin's, as restated in the shar
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 from podgate.model import ContainerSpec, NamespaceMode
@@ -116,6 +116,8 @@ class PodEnv:
     uid: str
     hostname: str
     ns_pid: int | None  # the process holding the pod's namespaces (None: the host's)
+    # The pod's namespace files by /proc name ("net", "ipc", "uts", "pid"); before ns_pid.
+    ns_paths: Mapping[str, str] = field(default_factory=dict)
     pid_mode: NamespaceMode = NamespaceMode.POD
     host_network: bool = False
     host_ipc: bool = False
@@ -299,9 +301,12 @@ def cgroups_path(cgroup_parent: str, container_id: str) -> str:
 
 def _namespaces(spec: ContainerSpec, pod: PodEnv, host: HostInfo, privileged: bool) -> list[Any]:
     def joined(kind: str) -> dict[str, str]:
+        proc_name = "net" if kind == "network" else kind  # /proc/<pid>/ns names it "net"
+        path = pod.ns_paths.get(proc_name)
+        if path:
+            return {"type": kind, "path": path}
         if pod.ns_pid is None:
             return {"type": kind}
-        proc_name = "net" if kind == "network" else kind  # /proc/<pid>/ns names it "net"
         return {"type": kind, "path": f"/proc/{pod.ns_pid}/ns/{proc_name}"}
 
     namespaces: list[dict[str, str]] = [{"type": "mount"}]

@@ -92,6 +92,7 @@ async def running_runtime(config: RuntimeConfig) -> AsyncIterator[RunningRuntime
     """Start everything; stop the servers (not the pods) on exit."""
     runtime = Runtime(config.state_dir, config.oci_runtime)
     runtime.load()
+    await runtime.forker.start()  # so the first container does not wait for it
     # Loading the image store also removes what an interrupted pull or import left behind.
     images = await asyncio.to_thread(
         ImageStore,
@@ -153,6 +154,7 @@ async def running_runtime(config: RuntimeConfig) -> AsyncIterator[RunningRuntime
     try:
         yield RunningRuntime(runtime, images, target, streaming, config.cri_socket_path)
     finally:
+        await runtime.events.aclose()  # event streams end cleanly, before the server stops
         await stop_cri(cri, config.cri_socket_path)
         await puller.aclose()
         if adaptation is not None:
@@ -162,6 +164,7 @@ async def running_runtime(config: RuntimeConfig) -> AsyncIterator[RunningRuntime
         await agent.aclose()
         netns.close()
         netns.worker.close()
+        runtime.close()
 
 
 async def run_daemon(config: RuntimeConfig) -> None:

@@ -1,15 +1,18 @@
 """Pods and containers in Linux namespaces: the runtime behind the CRI service.
 
-A pod is held by a small holder process that owns its network, UTS and IPC namespaces (and PID
-namespace when the pod shares one). Each container runs under its own shim, which keeps its
-stdio, writes its CRI log and records its exit code. Neither is a child that dies with the
-daemon: a restarted daemon reads its records and finds them again.
+A pod's network, UTS and IPC namespaces are pinned by bind mounts in its run directory
+(podgate.linux.nspin), with no process; a pod that shares a PID namespace needs a PID 1 for
+it, a small holder process that owns all of them. Each container runs under its own shim, which
+keeps its stdio, writes its CRI log and records its exit code; shims are forked from a warm
+interpreter (podgate.linux.forker). Neither is a child that dies with the daemon: a restarted
+daemon reads its records and finds them again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import dataclasses
 import logging
 import os
@@ -24,7 +27,10 @@ from typing import Any
 from podgate import __version__
 from podgate.images.store import ImageStore
 from podgate.linux import holder as holder_mod
+from podgate.linux import nspin
 from podgate.linux import shim as shim_mod
+from podgate.linux.forker import Forker
+from podgate.linux.netdev import read_net_dev_at
 from podgate.linux.proc import is_alive, read_json, signal_process
 from podgate.model import (
     ContainerMetadata,
@@ -50,9 +56,11 @@ from podgate.runtime.api import (
     InvalidArgumentError,
     NotFoundError,
     PodConfig,
+    PodUsage,
     ResourceExhaustedError,
     RuntimeCondition,
 )
+from podgate.runtime.events import ContainerEvent, ContainerEvents, ContainerEventType
 from podgate.runtime.nri import RuntimeNri
 from podgate.runtime.oci import OciContainers, OciError, discard, node_hostname
 from podgate.runtime.sandbox import lifecycle as sandbox
@@ -76,6 +84,8 @@ REOPEN_LOG_SECONDS = 5.0
 POD_STOP_GRACE_SECONDS = 2.0
 # How long a stopped process may take to disappear after SIGKILL.
 KILL_WAIT_SECONDS = 10.0
+# The interface a pod's network stats name as its default (containerd's and the CNI's eth0).
+DEFAULT_INTERFACE = "eth0"
 NSENTER = "/usr/bin/nsenter"
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
@@ -90,6 +100,14 @@ def _read_text(path: str) -> str | None:
             return f.read()
     except FileNotFoundError:
         return None
+
+
+def _shim_pid_mode(pod_mode: NamespaceMode, container_mode: NamespaceMode) -> NamespaceMode:
+    """A pod's shared PID namespace wins; without one, POD means the container's own (as in
+    the OCI spec's namespaces), since no pod PID namespace exists to join."""
+    if pod_mode is NamespaceMode.POD:
+        return NamespaceMode.POD
+    return NamespaceMode.CONTAINER if container_mode is NamespaceMode.POD else container_mode
 
 
 def now_ns() -> int:
@@ -114,8 +132,17 @@ class Runtime:
         # only absolute paths (a root directory on the node) and image-less containers.
         self.images: ImageStore | None = None
         self._locks: dict[str, asyncio.Lock] = {}
-        # The last CPU reading per container: (ns since the epoch, CPU ns), for nano-cores.
+        # The last CPU reading per container and pod: (ns since the epoch, CPU ns), for
+        # nano-cores.
         self._cpu_samples: dict[str, tuple[int, int]] = {}
+        # Lifecycle events for GetContainerEvents; its poll turns unseen exits into events.
+        self.events = ContainerEvents(poll=self._refresh_all)
+        # Shims and holders are forked from a warm interpreter living as long as this daemon.
+        self.forker = Forker(str(self.store.run_dir / "forker.log"))
+
+    def close(self) -> None:
+        """Stop the daemon's helpers (pods and their shims keep running)."""
+        self.forker.close()
 
     # ------------------------------------------------------------------ startup
     def load(self) -> None:
@@ -173,18 +200,49 @@ class Runtime:
 
     # ------------------------------------------------------------------ state refresh
     def _refresh_pod(self, pod: PodRecord) -> None:
-        if pod.state is PodState.READY and (
-            pod.holder is None
-            or not is_alive(pod.holder)
-            or (pod.ns_process is not None and not is_alive(pod.ns_process))
-        ):
+        if pod.state is PodState.READY and not self._namespaces_alive(pod):
             log.info(
-                "pod %s: holder is gone; marking it not ready",
+                "pod %s: its namespaces are gone; marking it not ready",
                 pod.id[:12],
                 extra={"pod_id": pod.id},
             )
             pod.state = PodState.NOTREADY
             self.store.save_pod(pod)
+            self._emit(pod.id, ContainerEventType.STOPPED, pod.id)
+
+    def _refresh_all(self) -> None:
+        self.list_pods()
+        self.list_containers()
+
+    def _emit(self, container_id: str, kind: ContainerEventType, pod_id: str) -> None:
+        """Publish an event with the pod's and its containers' state as of now."""
+        if not len(self.events):
+            return
+        pod = self.pods.get(pod_id)
+        containers = tuple(
+            copy.copy(c)
+            for c in sorted(self.containers.values(), key=lambda c: c.created_at)
+            if c.pod_id == pod_id
+        )
+        self.events.publish(
+            ContainerEvent(
+                container_id=container_id,
+                type=kind,
+                created_at=now_ns(),
+                pod=copy.copy(pod) if pod is not None else None,
+                containers=containers,
+            )
+        )
+
+    @staticmethod
+    def _namespaces_alive(pod: PodRecord) -> bool:
+        if pod.ns_files:
+            return all(nspin.is_pinned(path) for path in pod.ns_files.values())
+        return (
+            pod.holder is not None
+            and is_alive(pod.holder)
+            and (pod.ns_process is None or is_alive(pod.ns_process))
+        )
 
     def _refresh_container(self, container: ContainerRecord) -> None:
         if container.state is not ContainerState.RUNNING:
@@ -199,6 +257,7 @@ class Runtime:
                 data.get("reason") or ("Completed" if container.exit_code == 0 else "Error")
             )
             self.store.save_container(container)
+            self._emit(container.id, ContainerEventType.STOPPED, container.pod_id)
         elif (
             container.shim is not None
             and not is_alive(container.shim)
@@ -211,6 +270,7 @@ class Runtime:
             container.reason = "Unknown"
             container.message = "container shim exited without recording an exit code"
             self.store.save_container(container)
+            self._emit(container.id, ContainerEventType.STOPPED, container.pod_id)
 
     # ------------------------------------------------------------------ pods
     async def run_pod(self, config: PodConfig) -> str:
@@ -251,6 +311,8 @@ class Runtime:
             privileged=config.privileged,
             dns=config.dns,
             sysctls=dict(config.sysctls),
+            overhead=dict(config.overhead),
+            resources=dict(config.resources),
         )
         try:
             sysctls = pod_sysctls(
@@ -263,15 +325,7 @@ class Runtime:
         run = self.store.run_path(pod_id)
         async with self._lock(pod_id):
             try:
-                holder, ns_process = await holder_mod.start_holder(
-                    hostname=pod.hostname,
-                    pid_ns=pod.pid_mode is NamespaceMode.POD,
-                    ready_file=str(run / "holder.json"),
-                    log_file=str(run / "holder.log"),
-                    sysctls=sysctls,
-                    empty_root="" if sandbox.is_sandboxed(pod) else str(run / "holder-root"),
-                )
-                pod.holder, pod.ns_process = holder, ns_process
+                await self._pod_namespaces(pod, run, sysctls)
                 try:
                     self.oci.pod_files(pod, run)
                 except OSError as exc:
@@ -292,6 +346,9 @@ class Runtime:
             self.store.ensure_dir(log_dir)
             self.pods[pod_id] = pod
             self.store.save_pod(pod)
+            # containerd sends both for a sandbox, with the sandbox's ID as the container's.
+            self._emit(pod_id, ContainerEventType.CREATED, pod_id)
+            self._emit(pod_id, ContainerEventType.STARTED, pod_id)
         log.info(
             "pod %s/%s running as %s",
             meta.namespace,
@@ -301,11 +358,38 @@ class Runtime:
         )
         return pod_id
 
+    async def _pod_namespaces(self, pod: PodRecord, run: Path, sysctls: dict[str, str]) -> None:
+        """The pod's net, IPC and UTS namespaces: pinned by bind mounts, no process; a pod
+        that shares a PID namespace needs a process as its PID 1, the holder, which holds
+        them all."""
+        if pod.pid_mode is not NamespaceMode.POD:
+            try:
+                pod.ns_files = await asyncio.to_thread(
+                    nspin.pin, str(run / "ns"), pod.hostname, sysctls
+                )
+            except OSError as exc:
+                raise holder_mod.HolderError(f"pod namespaces setup failed: {exc}") from exc
+            return
+        pod.holder, pod.ns_process = await holder_mod.start_holder(
+            hostname=pod.hostname,
+            pid_ns=True,
+            ready_file=str(run / "holder.json"),
+            log_file=str(run / "holder.log"),
+            sysctls=sysctls,
+            empty_root="" if sandbox.is_sandboxed(pod) else str(run / "holder-root"),
+            spawn=self.forker.spawn,
+        )
+
+    async def _release_pod_namespaces(self, pod: PodRecord) -> None:
+        if pod.holder is not None:
+            await holder_mod.stop_holder(pod.holder)
+        if pod.ns_files:
+            await asyncio.to_thread(nspin.unpin, pod.ns_files)
+
     async def _undo_pod_start(self, pod: PodRecord) -> None:
         try:
             await sandbox.stop_for_pod(pod)
-            if pod.holder is not None:
-                await holder_mod.stop_holder(pod.holder)
+            await self._release_pod_namespaces(pod)
         finally:
             self.store.remove_run_path(pod.id)
 
@@ -320,11 +404,13 @@ class Runtime:
             if self.nri is not None and pod.state is PodState.READY:
                 await self.nri.pod_stopping(pod)  # namespaces still exist: plugins tear down
             await sandbox.stop_for_pod(pod)  # sandboxed pods: the shim and the guest
-            if pod.holder is not None:
-                await holder_mod.stop_holder(pod.holder)
+            await self._release_pod_namespaces(pod)
             self.oci.release_pod(pod, self.store.run_path(pod.id))
+            was_ready = pod.state is PodState.READY
             pod.state = PodState.NOTREADY
             self.store.save_pod(pod)
+            if was_ready:
+                self._emit(pod.id, ContainerEventType.STOPPED, pod.id)
 
     async def remove_pod(self, pod_id: str) -> None:
         try:
@@ -337,7 +423,9 @@ class Runtime:
         if self.nri is not None:
             await self.nri.pod_removed(pod)
         self.pods.pop(pod.id, None)
+        self._cpu_samples.pop(pod.id, None)
         self.store.delete_pod(pod.id)
+        self._emit(pod.id, ContainerEventType.DELETED, pod.id)
         self.oci.remove_pod_cgroup(pod)
         self.store.remove_run_path(pod.id)
 
@@ -350,9 +438,10 @@ class Runtime:
             raise FailedPreconditionError(f"NRI PodSandboxStatus failed: {exc}") from exc
 
     def pod_netns_path(self, pod: PodRecord) -> str:
-        if pod.state is not PodState.READY or pod.ns_process is None:
+        path = pod.ns_path("net")
+        if pod.state is not PodState.READY or path is None:
             raise FailedPreconditionError(f"pod sandbox {pod.id} is not ready")
-        return f"/proc/{pod.ns_process.pid}/ns/net"
+        return path
 
     # ------------------------------------------------------------------ containers
     async def create_container(
@@ -460,6 +549,7 @@ class Runtime:
             container.user = self.oci.user(run)
         self.containers[container_id] = container
         self.store.save_container(container)
+        self._emit(container_id, ContainerEventType.CREATED, pod.id)
         if self.nri is not None:
             await self.nri.container_created(pod, container)
         return container_id
@@ -472,7 +562,7 @@ class Runtime:
                     f"container {container.id} is {container.state.value}, not created"
                 )
             pod = self.get_pod(container.pod_id)
-            if pod.state is not PodState.READY or pod.ns_process is None:
+            if pod.state is not PodState.READY or not pod.has_namespaces:
                 raise FailedPreconditionError(f"pod sandbox {pod.id} is not ready")
             if self.nri is not None:
                 try:
@@ -497,10 +587,8 @@ class Runtime:
                 tty=spec.tty,
                 stdin=spec.stdin,
                 stdin_once=spec.stdin_once,
-                ns_pid=sandbox.container_ns_pid(pod),  # the guest's, for sandboxed pods
-                pid_mode=spec.pid_mode
-                if pod.pid_mode is not NamespaceMode.POD
-                else NamespaceMode.POD,
+                ns_paths=sandbox.container_ns_paths(pod),  # the guest's, for sandboxed pods
+                pid_mode=_shim_pid_mode(pod.pid_mode, spec.pid_mode),
                 log_file=container.log_file,
                 exit_file=str(run / "exit.json"),
                 attach_socket=str(run / "attach.sock"),
@@ -510,7 +598,7 @@ class Runtime:
                 oci=self.oci.shim_config(container, run) if spec.rootfs else {},
             )
             try:
-                ready = await shim_mod.start_shim(shim_spec)
+                ready = await shim_mod.start_shim(shim_spec, spawn=self.forker.spawn)
             except shim_mod.ShimError as exc:
                 container.state = ContainerState.EXITED
                 container.exit_code = 128
@@ -518,12 +606,14 @@ class Runtime:
                 container.reason = "StartError"
                 container.message = str(exc)
                 self.store.save_container(container)
+                self._emit(container.id, ContainerEventType.STOPPED, pod.id)
                 raise FailedPreconditionError(f"failed to start container: {exc}") from exc
             container.shim = ready.shim
             container.process = ready.process
             container.started_at = now_ns()
             container.state = ContainerState.RUNNING
             self.store.save_container(container)
+            self._emit(container.id, ContainerEventType.STARTED, pod.id)
         if self.nri is not None:
             await self.nri.container_started(pod, container)
 
@@ -541,6 +631,7 @@ class Runtime:
             container.finished_at = now_ns()
             container.reason = "Stopped"
             self.store.save_container(container)
+            self._emit(container.id, ContainerEventType.STOPPED, container.pod_id)
             return
         if container.state is not ContainerState.RUNNING or container.process is None:
             return
@@ -573,6 +664,7 @@ class Runtime:
         async with self._lock(container.id):
             await self._stop_container(container, 0)
             self.containers.pop(container.id, None)
+            self._cpu_samples.pop(container.id, None)
             self.store.delete_container(container.id)
             if container.spec.rootfs:
                 await asyncio.to_thread(
@@ -582,6 +674,7 @@ class Runtime:
                 await self._release_image(container.id)
             # Log files are the caller's (the kubelet deletes them), as containerd leaves them.
             self.store.remove_run_path(container.id)
+            self._emit(container.id, ContainerEventType.DELETED, container.pod_id)
         pod = self.pods.get(container.pod_id)
         if self.nri is not None and pod is not None:
             await self.nri.container_removed(pod, container)
@@ -667,12 +760,7 @@ class Runtime:
         upper = self.oci.bundle_dir(run) / "upper"
         used, inodes = await asyncio.to_thread(overlay.disk_usage, str(upper))
         limit = await asyncio.to_thread(cgroups.memory_limit, cgroup)
-        previous = self._cpu_samples.get(container.id)
-        self._cpu_samples[container.id] = (sample.timestamp, sample.cpu_usage_ns)
-        nano_cores = None
-        if previous is not None and sample.timestamp > previous[0]:
-            delta = max(sample.cpu_usage_ns - previous[1], 0)
-            nano_cores = delta * 1_000_000_000 // (sample.timestamp - previous[0])
+        nano_cores = self._nano_cores(container.id, sample)
         return ContainerUsage(
             timestamp=sample.timestamp,
             cpu_usage_ns=sample.cpu_usage_ns,
@@ -686,6 +774,44 @@ class Runtime:
             writable_mountpoint=str(upper),
             writable_bytes=used,
             writable_inodes=inodes,
+        )
+
+    def _nano_cores(self, key: str, sample: cgroups.CgroupStats) -> int | None:
+        """CPU use since the previous sample of `key`, in nano-cores (None the first time)."""
+        previous = self._cpu_samples.get(key)
+        self._cpu_samples[key] = (sample.timestamp, sample.cpu_usage_ns)
+        if previous is None or sample.timestamp <= previous[0]:
+            return None
+        delta = max(sample.cpu_usage_ns - previous[1], 0)
+        return delta * 1_000_000_000 // (sample.timestamp - previous[0])
+
+    async def pod_usage(self, pod: PodRecord) -> PodUsage:
+        """CPU, memory and processes from the pod's cgroup (its containers with a root are
+        under it), the counters of its network namespace's interfaces, each container's usage.
+        A pod that is not ready has no network namespace left: no interfaces."""
+        sample = await asyncio.to_thread(cgroups.stats, self.oci.cgroup_parent(pod))
+        limit = await asyncio.to_thread(cgroups.memory_limit, self.oci.cgroup_parent(pod))
+        interfaces = []
+        netns = pod.ns_path("net") if pod.state is PodState.READY else None
+        if netns is not None and pod.network_mode is not NamespaceMode.NODE:
+            interfaces = await asyncio.to_thread(read_net_dev_at, netns)
+        default = next((i for i in interfaces if i.name == DEFAULT_INTERFACE), None) or next(
+            (i for i in interfaces if i.name != "lo"), None
+        )
+        return PodUsage(
+            timestamp=sample.timestamp,
+            cpu_usage_ns=sample.cpu_usage_ns,
+            cpu_nano_cores=self._nano_cores(pod.id, sample),
+            memory_usage=sample.memory_usage,
+            memory_working_set=sample.memory_working_set,
+            memory_rss=sample.memory_rss,
+            memory_available=max(limit - sample.memory_working_set, 0) if limit else None,
+            page_faults=sample.page_faults,
+            major_page_faults=sample.major_page_faults,
+            processes=sample.pids,
+            default_interface=default,
+            interfaces=[i for i in interfaces if i is not default],
+            containers=[(c, await self.container_usage(c)) for c in self.pod_containers(pod.id)],
         )
 
     async def update_container_resources(
@@ -734,6 +860,41 @@ class Runtime:
                 raise FailedPreconditionError(str(exc)) from exc
             container.spec.resources = merged
             self.store.save_container(container)
+
+    async def update_pod_resources(
+        self, pod_id: str, overhead: Mapping[str, object], resources: Mapping[str, object]
+    ) -> None:
+        """containerd's order: NRI UpdatePodSandbox (the pod as it is, the new resources beside
+        it; a plugin's error fails the call and changes nothing), then the change, then
+        PostUpdatePodSandbox with the pod as it now is. The request is the whole pod-level
+        state: what it leaves out is no longer set."""
+        pod = self.get_pod(pod_id)
+        new_overhead = {k: v for k, v in overhead.items() if v}
+        new_resources = {k: v for k, v in resources.items() if v}
+        if self.nri is not None:
+            try:
+                await self.nri.pod_updating(
+                    pod,
+                    nri_resources(new_overhead) if new_overhead else None,
+                    nri_resources(new_resources) if new_resources else None,
+                )
+            except Exception as exc:
+                raise FailedPreconditionError(f"NRI UpdatePodSandbox failed: {exc}") from exc
+        async with self._lock(pod.id):
+            # A sandboxed pod's containers run in its guest, not under this cgroup.
+            if pod.state is PodState.READY and not sandbox.is_sandboxed(pod):
+                try:
+                    await asyncio.to_thread(
+                        self.oci.limit_pod_cgroup, pod, new_overhead, new_resources
+                    )
+                except OSError as exc:
+                    raise FailedPreconditionError(
+                        f"failed to set the pod's cgroup limits: {exc}"
+                    ) from exc
+            pod.overhead, pod.resources = new_overhead, new_resources
+            self.store.save_pod(pod)
+        if self.nri is not None:
+            await self.nri.pod_updated(pod)
 
     async def apply_resources(self, container_id: str, resources: dict[str, Any]) -> None:
         """An NRI container update: a partial OCI `linux.resources` into config.json and, for

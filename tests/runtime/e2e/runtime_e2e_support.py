@@ -237,14 +237,29 @@ def kill_recorded_processes(state_dir: Path) -> list[int]:
     return killed
 
 
+def mounts_under(directory: Path, mountinfo: str = "/proc/self/mountinfo") -> list[str]:
+    """Mount points at or below `directory` (a pod's pinned namespaces are bind mounts)."""
+    prefix = str(directory).rstrip("/") + "/"
+    with open(mountinfo, encoding="utf-8", errors="replace") as f:
+        points = [line.split(" ")[4] for line in f]
+    return [p for p in points if p == str(directory) or p.startswith(prefix)]
+
+
+def unmount_under(directory: Path) -> None:
+    """Detach what a failed test left mounted below `directory` (deepest first)."""
+    for point in sorted(mounts_under(directory), key=len, reverse=True):
+        subprocess.run(["umount", "-l", point], check=False, capture_output=True)
+
+
 @contextlib.contextmanager
 def state_root() -> Iterator[Path]:
-    """A state root that is emptied of processes and files on exit."""
+    """A state root that is emptied of processes, mounts and files on exit."""
     root = new_state_root()
     try:
         yield root
     finally:
         kill_recorded_processes(root / "s")
+        unmount_under(root)
         shutil.rmtree(root, ignore_errors=True)
 
 
@@ -303,6 +318,7 @@ class Pods:
         labels: dict[str, str] | None = None,
         log_directory: str = "",
         runtime_handler: str = "",
+        pid_mode: int = pb.POD,
     ) -> Pod:
         config = pb.PodSandboxConfig(
             metadata=pb.PodSandboxMetadata(
@@ -312,6 +328,8 @@ class Pods:
             labels=labels or {},
             log_directory=log_directory,
         )
+        if pid_mode != pb.POD:
+            config.linux.security_context.namespace_options.pid = pid_mode
         response = await self.rt.RunPodSandbox(
             pb.RunPodSandboxRequest(config=config, runtime_handler=runtime_handler)
         )

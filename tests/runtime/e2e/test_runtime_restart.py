@@ -17,6 +17,7 @@ from runtime_e2e_support import (
     Pods,
     RuntimeDaemon,
     Sink,
+    mounts_under,
     parse_cri_log,
     running_daemon,
     state_root,
@@ -110,6 +111,7 @@ async def test_pods_survive_a_killed_daemon() -> None:
                 await rt.RemovePodSandbox(pb.RemovePodSandboxRequest(pod_sandbox_id=pod.id))
                 listed = await rt.ListPodSandbox(pb.ListPodSandboxRequest())
                 assert [p.id for p in listed.items] == []
+                assert mounts_under(root) == [], "the pod's pinned namespaces stayed mounted"
 
 
 async def test_sigterm_stops_the_daemon_and_leaves_pods_running() -> None:

@@ -30,6 +30,7 @@ __all__ = [
     "SHIM_LOG",
     "SHIM_SOCKET",
     "SandboxError",
+    "container_ns_paths",
     "container_ns_pid",
     "ensure_shim",
     "is_sandboxed",
@@ -73,12 +74,18 @@ def _as_json(ref: ProcessRef) -> dict[str, int]:
     return {"pid": ref.pid, "start_time": ref.start_time}
 
 
+def container_ns_paths(pod: PodRecord) -> dict[str, str]:
+    """The namespace files ("net", "ipc", "uts", and "pid" when shared) a container of `pod`
+    joins: the guest's for sandboxed pods, the pod's own (pinned or its holder's) otherwise."""
+    if is_sandboxed(pod):
+        guest = container_ns_pid(pod)
+        return {kind: f"/proc/{guest}/ns/{kind}" for kind in ("net", "ipc", "uts", "pid")}
+    paths = {kind: pod.ns_path(kind) for kind in ("net", "ipc", "uts", "pid")}
+    return {kind: path for kind, path in paths.items() if path is not None}
+
+
 def container_ns_pid(pod: PodRecord) -> int:
-    """The process whose namespaces a container of `pod` joins: the guest's for sandboxed
-    pods, the pod holder's otherwise."""
-    if not is_sandboxed(pod):
-        assert pod.ns_process is not None
-        return pod.ns_process.pid
+    """The guest process whose namespaces a container of the sandboxed `pod` joins."""
     guest = _ref(pod, _GUEST_NS_PROCESS)
     if guest is None or not is_alive(guest):
         raise FailedPreconditionError(f"pod sandbox {pod.id} has no running guest")

@@ -1,0 +1,262 @@
+"""A warm parent for the per-pod helpers (container shims, pod holders): each is forked from an
+interpreter that has already imported it, instead of being a new interpreter.
+
+Most of a spawned helper's start is the interpreter and its imports, and all of that memory is
+its own. Forked from this process it starts in milliseconds and shares the pages neither
+touches with the forker and with every other helper forked from it (PSS divides shared pages).
+
+`python -m podgate.linux.forker` talks to the daemon over its stdin, one end of a unix socket
+pair: it says "ready", then answers requests, one JSON line {"module": M, "args": [...],
+"log": FILE} for a module of HELPERS, with the exit status of the first fork as a line (0: the
+helper is on its way; it reports through its ready file, as a spawned one does). A helper is
+forked twice and starts a new session: it is no child of the forker or the daemon and outlives
+both, and runs as `python -m M ARGS --foreground` would. The forker lives as long as the
+daemon: the daemon's end closing (EOF), a `kill -9` of the daemon included, ends it. No path
+names it, so nothing else can ask it for anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from typing import Final
+
+from podgate.linux import holder as holder_mod
+from podgate.linux import shim as shim_mod
+from podgate.linux.proc import SpawnError, helper_env, log_tail, spawn_detached
+
+__all__ = ["HELPERS", "Forker", "main"]
+
+# What may be forked: module name -> its main(argv).
+HELPERS: Final[dict[str, Callable[[Sequence[str] | None], int]]] = {
+    "podgate.linux.shim": shim_mod.main,
+    "podgate.linux.holder": holder_mod.main,
+}
+
+log = logging.getLogger(__name__)
+
+# Starting the forker (an interpreter importing the shim) on a loaded machine, seconds.
+FORKER_START_TIMEOUT: Final = 30.0
+# One request: a fork and the first child's exit, seconds.
+REQUEST_TIMEOUT: Final = 10.0
+_READY: Final = b"ready\n"
+_MAX_REQUEST: Final = 64 * 1024
+# The answer to a request the forker could not read or run (no exit status is negative).
+_BAD_REQUEST: Final = -1
+
+
+def _grandchild(module: str, args: list[str], log_file: str) -> int:
+    """The helper, in a new session, with the stdio a spawned one gets."""
+    devnull = os.open(os.devnull, os.O_RDWR)
+    log = os.open(log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    os.dup2(devnull, 0)
+    os.dup2(devnull, 1)
+    os.dup2(log, 2)
+    os.close(devnull)
+    os.close(log)
+    for name in os.listdir("/proc/self/fd"):  # the forker's socket and pipes, not ours
+        if int(name) > 2:
+            with contextlib.suppress(OSError):
+                os.close(int(name))
+    return HELPERS[module]([*args, "--foreground"])
+
+
+def _fork_helper(module: str, args: list[str], log_file: str) -> int:
+    """Fork, setsid, fork again; the first child's exit status (0 once the helper is forked)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.setsid()
+            if os.fork() == 0:
+                try:
+                    code = _grandchild(module, args, log_file)
+                finally:
+                    with contextlib.suppress(Exception):
+                        sys.stderr.flush()
+                    os._exit(code)
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def _answer(request: bytes) -> bytes:
+    try:
+        data = json.loads(request)
+        module, args = str(data["module"]), [str(a) for a in data["args"]]
+        if module not in HELPERS:
+            raise ValueError(f"no helper {module!r}")
+        code = _fork_helper(module, args, str(data["log"]))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(f"forker: bad request: {exc}", file=sys.stderr)
+        code = _BAD_REQUEST
+    return b"%d\n" % code
+
+
+def serve(conn: socket.socket) -> None:
+    """Answer requests on `conn` until the daemon's end closes."""
+    buffered = b""
+    while True:
+        newline = buffered.find(b"\n")
+        if newline >= 0:
+            request, buffered = buffered[:newline], buffered[newline + 1 :]
+            conn.sendall(_answer(request))
+            continue
+        if len(buffered) > _MAX_REQUEST:
+            return
+        chunk = conn.recv(_MAX_REQUEST)
+        if not chunk:
+            return
+        buffered += chunk
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    if list(sys.argv[1:] if argv is None else argv):
+        print("usage: python -m podgate.linux.forker  (stdin: a unix socket)", file=sys.stderr)
+        return 2
+    conn = socket.socket(fileno=os.dup(0))
+    # What the helpers will use, imported (an event loop run once: its lazy imports and
+    # singletons) and frozen out of the collector's way, so their pages stay shared after a
+    # fork. No thread is left running: the forker only forks.
+    asyncio.run(asyncio.sleep(0))
+    gc.collect()
+    gc.freeze()
+    try:
+        conn.sendall(_READY)
+        serve(conn)
+    except OSError as exc:
+        print(f"forker: the daemon's socket failed: {exc}", file=sys.stderr)
+    finally:
+        conn.close()
+    return 0
+
+
+class Forker:
+    """The daemon's side: starts the forker on first use (again if it died) and asks it for
+    helpers."""
+
+    def __init__(self, log_file: str) -> None:
+        self.log_file = log_file
+        self._process: subprocess.Popen[bytes] | None = None
+        self._stream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        self._sock: socket.socket | None = None
+        self._lock = asyncio.Lock()
+
+    async def start(self) -> None:
+        """Start the forker ahead of the first helper; a failure is only logged (the first
+        helper tries again, and spawns a new interpreter if that fails too)."""
+        async with self._lock:
+            try:
+                await self._ensure_running()
+            except (OSError, TimeoutError) as exc:
+                log.warning("helper forker did not start: %s", exc)
+
+    async def spawn(self, module: str, args: list[str], log_file: str) -> None:
+        """Fork `python -m module args` (which daemonizes itself when spawned); a spawned one
+        if the forker cannot be had. SpawnError if the helper could not be started."""
+        if module not in HELPERS:
+            raise SpawnError(f"no helper {module!r}")
+        try:
+            code = await self._request(module, args, log_file)
+        except (OSError, TimeoutError, ValueError) as exc:
+            log.warning("helper forker unavailable (%s); spawning %s", exc, module)
+            await spawn_detached([sys.executable, "-m", module, *args], log_file)
+            return
+        if code != 0:
+            raise SpawnError(f"{module} fork exited with {code}: {log_tail(log_file)}")
+
+    async def _request(self, module: str, args: list[str], log_file: str) -> int:
+        request = json.dumps({"module": module, "args": args, "log": log_file}).encode()
+        async with self._lock:  # one request at a time on the one socket
+            try:
+                reader, writer = await self._ensure_running()
+                async with asyncio.timeout(REQUEST_TIMEOUT):
+                    writer.write(request + b"\n")
+                    line = await reader.readline()
+                if not line:
+                    raise OSError("the helper forker exited")
+                return int(line)
+            except BaseException:
+                self.close()  # mid-request, its answer is lost: a new one next time
+                raise
+
+    async def _ensure_running(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        if self._stream is not None and self._process is not None and self._process.poll() is None:
+            return self._stream
+        self.close()
+        ours, theirs = socket.socketpair()
+        self._sock = ours
+        try:
+            self._process = await asyncio.to_thread(self._popen, theirs)
+        finally:
+            theirs.close()
+        try:
+            reader, writer = await asyncio.open_unix_connection(sock=ours)
+        except BaseException:
+            ours.close()
+            self.close()
+            raise
+        self._stream = reader, writer
+        try:
+            async with asyncio.timeout(FORKER_START_TIMEOUT):
+                ready = await reader.readline()
+        except BaseException:
+            self.close()
+            raise
+        if ready != _READY:
+            self.close()
+            raise OSError(f"the helper forker did not start: {log_tail(self.log_file)}")
+        return reader, writer
+
+    def _popen(self, conn: socket.socket) -> subprocess.Popen[bytes]:
+        with open(self.log_file, "ab") as log_out:
+            return subprocess.Popen(
+                [sys.executable, "-m", "podgate.linux.forker"],
+                stdin=conn.fileno(),
+                stdout=subprocess.DEVNULL,
+                stderr=log_out,
+                start_new_session=True,
+                close_fds=True,
+                env=helper_env(),
+            )
+
+    @property
+    def pid(self) -> int | None:
+        """The running forker's pid, if one runs."""
+        return self._process.pid if self._process is not None else None
+
+    def close(self) -> None:
+        """Stop the forker (helpers it forked keep running): its socket closes, it exits."""
+        stream, self._stream = self._stream, None
+        sock, self._sock = self._sock, None
+        if sock is not None:  # EOF for the forker now, not when the transport gets to it
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        if stream is not None:
+            stream[1].close()
+        elif sock is not None:
+            sock.close()
+        process, self._process = self._process, None
+        if process is None:
+            return
+        try:
+            process.wait(REQUEST_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

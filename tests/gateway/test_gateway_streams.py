@@ -103,21 +103,14 @@ def _listed_socket_inodes(pids: list[int]) -> set[str]:
     return found
 
 
-def _pod_namespace_pids(pid: int) -> list[int]:
-    """One process in each network namespace the daemon holds a descriptor of (the pods')."""
-    held: set[str] = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        with contextlib.suppress(OSError):
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            if target.startswith("net:["):
-                held.add(target)
-    found: dict[str, int] = {}
+def _one_pid_per_network_namespace() -> list[int]:
+    """A process in each network namespace of the machine (the pods' among them)."""
+    found: dict[tuple[int, int], int] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             with contextlib.suppress(OSError):
-                ns = os.readlink(entry / "ns" / "net")
-                if ns in held:
-                    found.setdefault(ns, int(entry.name))
+                st = os.stat(entry / "ns" / "net")
+                found.setdefault((st.st_dev, st.st_ino), int(entry.name))
     return list(found.values())
 
 
@@ -128,7 +121,7 @@ def rss_and_fds(pid: int) -> tuple[int, int]:
     rss_kib = next(
         int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")
     )
-    listed = _listed_socket_inodes([pid, *_pod_namespace_pids(pid)])
+    listed = _listed_socket_inodes([pid, *_one_pid_per_network_namespace()])
     held = 0
     for fd in os.listdir(f"/proc/{pid}/fd"):
         with contextlib.suppress(OSError):

@@ -87,7 +87,7 @@ def trim() -> bool:
     if free is not None and free < TRIM_MIN_FREE_BYTES:
         return False
     released = bool(_LIBC.malloc_trim(0))
-    log.info("malloc_trim: %d bytes were free, released=%s", free or 0, released)
+    log.debug("malloc_trim: %d bytes were free, released=%s", free or 0, released)
     return released
 
 

@@ -73,6 +73,7 @@ class ChannelStream(ByteStream):
         self._last_read = 0.0  # loop time of the application's last read
         self._full_since = 0.0  # loop time the queue last went over its budget
         self.stalled = asyncio.Event()  # reset for a stalled reader (see _stall)
+        self.stall_error: StalledStreamError | None = None
 
     async def receive(self, max_bytes: int = DEFAULT_RECEIVE_BYTES) -> bytes:
         with self._receiving:
@@ -163,10 +164,9 @@ class ChannelStream(ByteStream):
             self._queued,
         )
         self._drop_chunks()
+        self.stall_error = StalledStreamError(f"data unread for {quiet:.0f} s, port reset")
         if not self._eof:
-            self._lost = StalledStreamError(
-                f"channel {self.channel}: unread for {quiet:.0f} s, reset"
-            )
+            self._lost = self.stall_error
         self._eof = True
         self._readable.set()
         self._writable.set()

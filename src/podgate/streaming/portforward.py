@@ -228,7 +228,7 @@ async def _splice_until_stalled(
         await cancel_and_wait(stalled)
     if not splicing.done():
         await cancel_and_wait(splicing)  # closes both streams
-        return SpliceResult(error=StalledStreamError("the pod did not read"))
+        return SpliceResult(error=data_ch.stall_error or StalledStreamError("port reset"))
     return splicing.result()
 
 
@@ -267,9 +267,12 @@ async def serve_websocket_portforward(
             grace = HALF_CLOSE_GRACE_SECONDS if channels.can_close_channels else 0.0
             result = await _splice_until_stalled(data_ch, hooks.wrap(upstream), grace)
             record.bytes_in, record.bytes_out = result.a_to_b, result.b_to_a
-            if isinstance(result.error, StalledStreamError):
-                # The pod stopped reading this port: say so on its error channel.
-                message = pf.forward_error_message(port, pod.label, pod.uid, str(result.error))
+            if isinstance(result.error, StalledStreamError | ForwardError):
+                # The pod stopped reading this port, or the runtime explained a failure: say
+                # so on the port's error channel, as the SPDY path does on its error stream.
+                message = str(result.error)
+                if isinstance(result.error, StalledStreamError):
+                    message = pf.forward_error_message(port, pod.label, pod.uid, message)
                 record.outcome, record.reason = "error", message
                 with contextlib.suppress(StreamError):
                     await error_ch.send(message.encode())

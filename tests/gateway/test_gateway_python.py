@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from e2e_support import exchange, sha256_hex
-from gateway_support import ECHO_PORT, HTTP10_PORT, Gateway, matching
+from gateway_support import ECHO_PORT, HTTP10_PORT, STALL_PORT, Gateway, matching
 from kubernetes import client, config
 from kubernetes.stream import portforward, stream
 from test_gateway_streams import EXPECTED, http10_exchange
@@ -162,6 +162,52 @@ def test_pod_close_reaches_the_python_client_websocket_v4_as_eof(
         assert answer == EXPECTED
         assert pf.error(HTTP10_PORT) is None
         print(f"python client v4: EOF {eof_after * 1000:.0f} ms after the answer")
+    finally:
+        pf.close()
+        if wait_closed(pf, 5.0):
+            pf.websocket.shutdown()
+
+
+# Pushed into the never-reading port: several times what the path buffers before it stalls.
+STALL_PUSH_BYTES = 32 * 1024 * 1024
+
+
+def test_a_port_the_pod_never_reads_is_reset_with_an_error_and_the_others_go_on(
+    api: Any, gateway: Gateway
+) -> None:
+    """v4 WebSocket port-forward has no flow control: a port whose reader stalls is reset with
+    a message on its error channel, and the session's other port keeps working."""
+    pf = portforward(
+        api.connect_get_namespaced_pod_portforward,
+        "data",
+        "default",
+        ports=f"{STALL_PORT},{ECHO_PORT}",
+    )
+    try:
+        stalled = pf.socket(STALL_PORT)
+        stalled.setblocking(False)
+        data = bytes(STALL_PUSH_BYTES)
+        sent = 0
+        deadline = time.monotonic() + SESSION_TIMEOUT_SECONDS
+        # Push until the path stops taking bytes or the error arrives (bounded either way).
+        while pf.error(STALL_PORT) is None and time.monotonic() < deadline:
+            try:
+                sent += stalled.send(data[sent : sent + 256 * 1024])
+            except BlockingIOError:
+                time.sleep(0.05)
+            if sent >= len(data):
+                time.sleep(0.05)
+        error = pf.error(STALL_PORT)
+        assert error is not None, f"no error on the stalled port after {sent >> 20} MiB"
+        assert "unread" in error, error
+        print(f"stalled port: {sent >> 20} MiB taken, then: {error}")
+        # The other port of the same WebSocket still carries data both ways.
+        echo = pf.socket(ECHO_PORT)
+        payload = os.urandom(64 * 1024)
+        echoed = exchange(echo, payload, SESSION_TIMEOUT_SECONDS, half_close=False)
+        assert echoed.sha256 == sha256_hex(payload)
+        stalled.close()
+        echo.close()
     finally:
         pf.close()
         if wait_closed(pf, 5.0):

@@ -31,6 +31,11 @@ class StreamResetError(BrokenStreamError):
         self.status = status
 
 
+class StalledStreamError(StreamResetError):
+    """We reset a stream whose reader made no progress for too long, so that the connection
+    carrying it could read on."""
+
+
 class ForwardError(StreamResetError):
     """A forwarded connection failed further along; the message is the explanation to pass on
     to the client (e.g. a runtime's `error forwarding port …` text)."""

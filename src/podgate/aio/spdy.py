@@ -21,10 +21,12 @@ import contextlib
 import logging
 from collections.abc import Callable, Mapping
 
+from podgate.aio import heap
 from podgate.aio.errors import (
     BrokenStreamError,
     ClosedStreamError,
     ConflictGuard,
+    StalledStreamError,
     StreamError,
     StreamResetError,
 )
@@ -66,6 +68,10 @@ STREAM_REPLY_TIMEOUT_SECONDS = 30.0
 # Received bytes one stream may hold unread before the whole connection stops reading
 # (without flow control; with it, the window bounds a stream instead).
 MAX_QUEUED_BYTES_PER_STREAM = 2 * 1024 * 1024
+# Received bytes all the streams of one session may hold unread (without flow control): over it
+# the read loop waits for any reader, so many streams just under their own budget still cost
+# the sender's TCP window, not memory (8 streams at their full budget).
+MAX_QUEUED_BYTES_PER_SESSION = 8 * MAX_QUEUED_BYTES_PER_STREAM
 # With flow control, window is handed back once the application has read this fraction
 # (1/N) of it: few WINDOW_UPDATE frames, yet a reader that keeps up never lets the sender stall.
 WINDOW_UPDATE_DIVISOR = 2
@@ -75,7 +81,8 @@ WINDOW_UPDATE_DIVISOR = 2
 STALLED_STREAM_RESET_SECONDS = 5.0
 # client-go pings every 5 s on a direct SPDY connection (10 s inside the WebSocket tunnel).
 CLIENT_PING_INTERVAL_SECONDS = 5.0
-# Kubernetes' default streaming idle timeout (kubelet, containerd, CRI streaming server).
+# Kubernetes' default streaming idle timeout (kubelet, containerd, CRI streaming server). Idle
+# here means no data and no new stream: unlike spdystream, PINGs do not keep a session alive.
 DEFAULT_IDLE_TIMEOUT_SECONDS = 4 * 3600.0
 # How long aclose waits for GOAWAY and the RST_STREAMs to be written before closing anyway.
 CLOSE_DRAIN_SECONDS = 5.0
@@ -179,6 +186,7 @@ class SpdyStream(ByteStream):
                 size += len(nxt)
             chunk = b"".join(parts)
         self._queued -= len(chunk)
+        self.session._release(len(chunk))
         if self.session._update_threshold:
             self._consumed += len(chunk)
             if self._consumed >= self.session._update_threshold:
@@ -215,6 +223,7 @@ class SpdyStream(ByteStream):
         except ProtocolError as exc:
             raise ClosedStreamError(str(exc)) from exc
         self.bytes_sent += len(data)
+        session._touch()
         session._flush()
         await self._drain()
 
@@ -255,6 +264,7 @@ class SpdyStream(ByteStream):
             except ProtocolError as exc:
                 raise ClosedStreamError(str(exc)) from exc
             self.bytes_sent += len(piece)
+            session._touch()
             session._flush()
             await self._drain()
 
@@ -284,6 +294,7 @@ class SpdyStream(ByteStream):
         if data:
             self._chunks.append(data)
             self._queued += len(data)
+            self.session._queued += len(data)
             self.bytes_received += len(data)
             # Under flow control the core already bounds what the peer may send.
             if self._queued > MAX_QUEUED_BYTES_PER_STREAM and not self.session._update_threshold:
@@ -297,6 +308,8 @@ class SpdyStream(ByteStream):
         self._readable.set()
         if not self._writable.is_set():
             await self._wait_for_reader()
+        elif not self.session._update_threshold:
+            await self.session._wait_for_room()
 
     async def _wait_for_reader(self) -> None:
         """Park the read loop (TCP backpressure) until the application reads this stream, but
@@ -314,10 +327,20 @@ class SpdyStream(ByteStream):
                     quiet,
                     self._queued,
                 )
-                self.reset(RstStatus.CANCEL)
+                self._stall(quiet)
                 return
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._writable.wait(), STALLED_STREAM_RESET_SECONDS - quiet)
+
+    def _stall(self, quiet: float) -> None:
+        """RST_STREAM CANCEL for a reader that stalled; it then reads a StalledStreamError."""
+        if self._closed:
+            return
+        if self._reset is None and not self._fin_sent:
+            self.session._core.reset_stream(self.stream_id, RstStatus.CANCEL)
+            self.session._flush()
+        message = f"stream {self.stream_id}: unread for {quiet:.0f} s, reset"
+        self._finish(StalledStreamError(message, RstStatus.CANCEL))
 
     def _finish(self, error: StreamResetError | None, *, keep_data: bool = False) -> None:
         """End the stream: closed by us (error None) or reset. Data the peer sent before its
@@ -326,14 +349,19 @@ class SpdyStream(ByteStream):
             self._reset = error
         if error is None:
             self._closed = True
-            self._chunks.clear()
+            self._drop_chunks()
         elif not keep_data:
-            self._chunks.clear()
+            self._drop_chunks()
         self._ended.set()
         self._readable.set()
         self._writable.set()
         self._window_open.set()
         self.session._forget(self.stream_id)
+
+    def _drop_chunks(self) -> None:
+        self._chunks.clear()
+        self.session._release(self._queued)
+        self._queued = 0
 
     @property
     def fin_received(self) -> bool:
@@ -389,6 +417,11 @@ class SpdySession:
         self.broken: BrokenStreamError | None = None
         self.goaway_received = False
         self.done = asyncio.Event()
+        self._queued = 0  # bytes received and not yet read, over all streams
+        self._room = asyncio.Event()  # set while _queued is within the session's budget
+        self._room.set()
+        self._last_read = self._loop.time()  # the last read on any stream
+        self._over_since = self._last_read  # when _queued last went over the budget
         self._control_tokens = float(CONTROL_FRAME_BURST)
         self._control_stamp = self._loop.time()
 
@@ -404,7 +437,6 @@ class SpdySession:
                 self._touch()
                 while not self.goaway_received:
                     data = await self._wire.receive()
-                    self._touch()
                     try:
                         events = self._core.receive_data(data) if data else self._core.receive_eof()
                     except ProtocolError as exc:
@@ -434,6 +466,7 @@ class SpdySession:
         except StreamError as exc:
             reason = exc
         finally:
+            self._timeout = None  # finished: writes after the end must not reschedule it
             if pinger is not None:
                 pinger.cancel()
             self._teardown(reason)
@@ -517,6 +550,8 @@ class SpdySession:
 
     # -- internals
     async def _dispatch(self, event: Event) -> None:
+        if isinstance(event, DataReceived | StreamOpened):
+            self._touch()  # the peer's pings (every 5 s from client-go) are not activity
         if isinstance(event, DataReceived):
             stream = self._streams.get(event.stream_id)
             if stream is not None:
@@ -586,7 +621,6 @@ class SpdySession:
                 self._wire.writelines(buffers)
             except StreamError as exc:
                 self.broken = BrokenStreamError(f"connection lost: {exc}")
-            self._touch()
 
     async def _drain(self) -> None:
         if self.broken is not None:
@@ -600,7 +634,44 @@ class SpdySession:
         # tight loop would otherwise never see the peer's RST_STREAM or GOAWAY.
         await asyncio.sleep(0)
 
+    def _release(self, size: int) -> None:
+        """`size` queued bytes were read or dropped."""
+        self._queued -= size
+        self._last_read = self._loop.time()
+        if self._queued <= MAX_QUEUED_BYTES_PER_SESSION:
+            self._room.set()
+
+    async def _wait_for_room(self) -> None:
+        """Park the read loop while the session holds more than its budget (the sender then
+        meets TCP backpressure). Readers that are merely slow free room; when none has read
+        for STALLED_STREAM_RESET_SECONDS the stream holding the most is reset, as a stalled
+        stream over its own budget is."""
+        while self._queued > MAX_QUEUED_BYTES_PER_SESSION:
+            if self._room.is_set():
+                self._over_since = self._loop.time()
+                self._room.clear()
+            quiet = self._loop.time() - max(self._last_read, self._over_since)
+            if quiet >= STALLED_STREAM_RESET_SECONDS:
+                fullest = max(self._streams.values(), key=lambda s: s._queued, default=None)
+                if fullest is None or not fullest._queued:
+                    return
+                log.warning(
+                    "%s: %d bytes unread for %.0f s on the session: stream %d (%d bytes) reset",
+                    self.name,
+                    self._queued,
+                    quiet,
+                    fullest.stream_id,
+                    fullest._queued,
+                )
+                fullest._stall(quiet)
+                self._over_since = self._loop.time()  # the next one only after another wait
+                continue
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._room.wait(), STALLED_STREAM_RESET_SECONDS - quiet)
+
     def _touch(self) -> None:
+        """Data moved or a stream opened: push the idle deadline out. Only that counts as
+        activity; PINGs do not, or a client that pings would hold an unused session for ever."""
         timeout = self._timeout
         if timeout is not None and self._idle_timeout is not None and not timeout.expired():
             timeout.reschedule(self._loop.time() + self._idle_timeout)
@@ -637,6 +708,7 @@ class SpdySession:
             stream._writable.set()
             stream._window_open.set()
         self._streams.clear()
+        heap.release_soon()  # what this session buffered is free now: give it back
 
     async def _ping_loop(self) -> None:
         assert self._ping_interval is not None
@@ -644,6 +716,11 @@ class SpdySession:
             await asyncio.sleep(self._ping_interval)
             with contextlib.suppress(TimeoutError, StreamError):
                 await self.ping(timeout=self._ping_interval)
+
+    @property
+    def queued_bytes(self) -> int:
+        """Bytes received and not yet read, over all streams of the session."""
+        return self._queued
 
     @property
     def stream_count(self) -> int:

@@ -8,7 +8,15 @@ import contextlib
 import logging
 from collections.abc import Iterable
 
-from podgate.aio.errors import BrokenStreamError, ClosedStreamError, ConflictGuard, StreamError
+from podgate.aio import heap
+from podgate.aio.errors import (
+    BrokenStreamError,
+    ClosedStreamError,
+    ConflictGuard,
+    StalledStreamError,
+    StreamError,
+)
+from podgate.aio.spdy import STALLED_STREAM_RESET_SECONDS
 from podgate.aio.streams import (
     DEFAULT_RECEIVE_BYTES,
     Buffer,
@@ -33,6 +41,10 @@ log = logging.getLogger(__name__)
 FIRST_UNKNOWN_CHANNEL = 5
 # Received bytes one channel may hold unread before the connection stops reading.
 MAX_QUEUED_BYTES_PER_CHANNEL = 2 * 1024 * 1024
+# Received bytes all the channels of one session may hold unread: the protocol has no flow
+# control, so over it the connection stops reading (the sender meets TCP backpressure) however
+# many channels (up to 128 ports) share the WebSocket.
+MAX_QUEUED_BYTES_PER_SESSION = 8 * MAX_QUEUED_BYTES_PER_CHANNEL
 # Largest payload put in one outgoing WebSocket message.
 SEND_MESSAGE_BYTES = 256 * 1024
 # After our close frame, how long to wait for the peer's before dropping the connection.
@@ -58,6 +70,10 @@ class ChannelStream(ByteStream):
         self._readable = asyncio.Event()
         self._writable = asyncio.Event()
         self._writable.set()
+        self._last_read = 0.0  # loop time of the application's last read
+        self._full_since = 0.0  # loop time the queue last went over its budget
+        self.stalled = asyncio.Event()  # reset for a stalled reader (see _stall)
+        self.stall_error: StalledStreamError | None = None
 
     async def receive(self, max_bytes: int = DEFAULT_RECEIVE_BYTES) -> bytes:
         with self._receiving:
@@ -75,6 +91,7 @@ class ChannelStream(ByteStream):
             self._chunks.appendleft(chunk[max_bytes:])
             chunk = chunk[:max_bytes]
         self._queued -= len(chunk)
+        self._last_read = self.session._release(len(chunk))
         if self._queued <= MAX_QUEUED_BYTES_PER_CHANNEL:
             self._writable.set()
         return chunk
@@ -100,7 +117,7 @@ class ChannelStream(ByteStream):
 
     async def aclose(self) -> None:
         self._closed = True
-        self._chunks.clear()
+        self._drop_chunks()
         self._ended.set()
         self._readable.set()
         self._writable.set()
@@ -110,10 +127,55 @@ class ChannelStream(ByteStream):
             return
         self._chunks.append(data)
         self._queued += len(data)
+        self.session._queued += len(data)
         self._readable.set()
         if self._queued > MAX_QUEUED_BYTES_PER_CHANNEL:
+            if self._writable.is_set():
+                self._full_since = asyncio.get_running_loop().time()
             self._writable.clear()
+            await self._wait_for_reader()
+        else:
+            await self.session._wait_for_room()
+
+    async def _wait_for_reader(self) -> None:
+        """Stop reading the WebSocket until this channel is read. With `stall_reset` (port
+        channels, each an independent connection) a reader that makes no progress for
+        STALLED_STREAM_RESET_SECONDS has its channel reset instead, so the others go on."""
+        if not self.session.stall_reset:
             await self._writable.wait()
+            return
+        loop = asyncio.get_running_loop()
+        while not self._writable.is_set():
+            quiet = loop.time() - max(self._last_read, self._full_since)
+            if quiet >= STALLED_STREAM_RESET_SECONDS:
+                self._stall(quiet)
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._writable.wait(), STALLED_STREAM_RESET_SECONDS - quiet)
+
+    def _stall(self, quiet: float) -> None:
+        """Reset: drop what is queued and everything the peer still sends here; the reader
+        gets a StalledStreamError (the port-forward server reports it on the error channel)."""
+        log.warning(
+            "%s: channel %d unread for %.0f s with %d bytes queued: reset",
+            self.session.name,
+            self.channel,
+            quiet,
+            self._queued,
+        )
+        self._drop_chunks()
+        self.stall_error = StalledStreamError(f"data unread for {quiet:.0f} s, port reset")
+        if not self._eof:
+            self._lost = self.stall_error
+        self._eof = True
+        self._readable.set()
+        self._writable.set()
+        self.stalled.set()
+
+    def _drop_chunks(self) -> None:
+        self._chunks.clear()
+        self.session._release(self._queued)
+        self._queued = 0
 
     def _end(self, lost: BrokenStreamError | None = None) -> None:
         if not self._eof:
@@ -133,7 +195,10 @@ class ChannelSession:
         name: str = "ws",
         inbound: Iterable[int] | None = None,
         idle_timeout: float | None = None,
+        stall_reset: bool = False,
     ) -> None:
+        """`stall_reset`: reset a channel whose reader stalls (port channels) instead of
+        waiting for it for ever (exec stdin: a command may read it when it likes)."""
         self._wire = wire
         self._core = core
         self._channels: dict[int, ChannelStream] = {}
@@ -141,6 +206,14 @@ class ChannelSession:
         # channel nobody reads must not stall the ones that are read.
         self._inbound = set(inbound) if inbound is not None else None
         self._idle_timeout = idle_timeout
+        self._timeout: asyncio.Timeout | None = None
+        self.stall_reset = stall_reset
+        self._queued = 0  # bytes received and not yet read, over all channels
+        self._room = asyncio.Event()  # set while _queued is within the session's budget
+        self._room.set()
+        self._last_read = 0.0
+        self._over_since = 0.0
+        self._wire_closed = False
         self.name = name
         self.close_code: int | None = None
         self.broken: BrokenStreamError | None = None
@@ -149,6 +222,11 @@ class ChannelSession:
     @property
     def protocol(self) -> str:
         return self._core.protocol
+
+    @property
+    def queued_bytes(self) -> int:
+        """Bytes received and not yet read, over all streams of the session."""
+        return self._queued
 
     @property
     def can_close_channels(self) -> bool:
@@ -172,36 +250,20 @@ class ChannelSession:
 
     async def run(self) -> None:
         try:
-            while True:
-                try:
-                    data = await asyncio.wait_for(self._wire.receive(), self._idle_timeout)
-                except TimeoutError:
-                    # Clients ping every few seconds; this long without a frame means gone.
-                    log.info("%s: idle for %.0f s, closing", self.name, self._idle_timeout or 0)
-                    with contextlib.suppress(ProtocolError):
-                        self._core.close(1001, "idle timeout")
-                    self._flush()
-                    break
-                try:
-                    events = self._core.receive_data(data if data else None)
-                except ProtocolError as exc:
-                    log.warning("%s: protocol error from peer: %s", self.name, exc)
-                    self._flush()
-                    break
-                for event in events:
-                    if isinstance(event, ChannelData):
-                        if event.data and self._accepts(event.channel):
-                            await self.stream(event.channel)._feed(event.data)
-                    elif isinstance(event, ChannelClosed):
-                        self.stream(event.channel)._end()
-                    elif isinstance(event, CloseReceived):
-                        self.close_code = event.code
+            try:
+                async with asyncio.timeout(None) as self._timeout:
+                    self._touch()
+                    await self._read_loop()
+            except TimeoutError:
+                # No data either way for that long (pings do not count): an unused session.
+                log.info("%s: idle for %.0f s, closing", self.name, self._idle_timeout or 0)
+                with contextlib.suppress(ProtocolError):
+                    self._core.close(1001, "idle timeout")
                 self._flush()
-                if not data or self.close_code is not None:
-                    break
         except StreamError as exc:
             self.broken = BrokenStreamError(str(exc))
         finally:
+            self._timeout = None  # finished: sends after the end must not reschedule it
             # Without the peer's close frame the connection was lost, not finished.
             lost = None
             if self.close_code in (None, CloseCode.ABNORMAL):
@@ -209,10 +271,70 @@ class ChannelSession:
             for stream in self._channels.values():
                 stream._end(lost)
             self.done.set()
+            heap.release_soon()  # what this session buffered is free now: give it back
+
+    async def _read_loop(self) -> None:
+        while True:
+            data = await self._wire.receive()
+            try:
+                events = self._core.receive_data(data if data else None)
+            except ProtocolError as exc:
+                log.warning("%s: protocol error from peer: %s", self.name, exc)
+                self._flush()
+                return
+            for event in events:
+                if isinstance(event, ChannelData):
+                    self._touch()
+                    if event.data and self._accepts(event.channel):
+                        await self.stream(event.channel)._feed(event.data)
+                elif isinstance(event, ChannelClosed):
+                    self.stream(event.channel)._end()
+                elif isinstance(event, CloseReceived):
+                    self.close_code = event.code
+            self._flush()
+            if not data or self.close_code is not None:
+                return
+
+    def _release(self, size: int) -> float:
+        """`size` queued bytes were read or dropped; the loop time now."""
+        now = asyncio.get_running_loop().time()
+        self._queued -= size
+        self._last_read = now
+        if self._queued <= MAX_QUEUED_BYTES_PER_SESSION:
+            self._room.set()
+        return now
+
+    async def _wait_for_room(self) -> None:
+        """Stop reading the WebSocket while the channels together hold more than the
+        session's budget; with `stall_reset`, when no channel was read for
+        STALLED_STREAM_RESET_SECONDS, reset the one holding the most and read on."""
+        loop = asyncio.get_running_loop()
+        while self._queued > MAX_QUEUED_BYTES_PER_SESSION and not self._wire_closed:
+            if self._room.is_set():
+                self._over_since = loop.time()
+                self._room.clear()
+            if not self.stall_reset:
+                await self._room.wait()
+                continue
+            quiet = loop.time() - max(self._last_read, self._over_since)
+            if quiet >= STALLED_STREAM_RESET_SECONDS:
+                fullest = max(self._channels.values(), key=lambda c: c._queued)
+                fullest._stall(quiet)
+                self._over_since = loop.time()
+                continue
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._room.wait(), STALLED_STREAM_RESET_SECONDS - quiet)
+
+    def _touch(self) -> None:
+        """Data moved: push the idle deadline out (pings and pongs are not activity)."""
+        timeout = self._timeout
+        if timeout is not None and self._idle_timeout is not None and not timeout.expired():
+            timeout.reschedule(asyncio.get_running_loop().time() + self._idle_timeout)
 
     def send_nowait(self, channel: int, data: Buffer) -> None:
         if self.broken is not None:
             raise self.broken
+        self._touch()
         try:
             self._core.send(channel, data)
         except ProtocolError as exc:  # the WebSocket is closing or closed
@@ -255,9 +377,11 @@ class ChannelSession:
                     await self._wire.send_eof()
                     await self.done.wait()
         await self._wire.aclose()
-        # A read loop parked on a full channel must see the closed wire now.
+        self._wire_closed = True
+        # A read loop parked on a full channel (or a full session) must see the closed wire.
         for stream in self._channels.values():
             stream._writable.set()
+        self._room.set()
 
 
 class TunnelWire:

@@ -13,11 +13,34 @@ from podgate.cli.errors import listen_failure
 from podgate.cli.logs import setup_logging
 from podgate.node.audit import DEFAULT_AUDIT_KEEP, DEFAULT_AUDIT_MAX_BYTES
 from podgate.node.cri_client import CriClient, CriPodSource
-from podgate.node.gateway import DEFAULT_MAX_FORWARDS_PER_SESSION, GatewayConfig, Limits
+from podgate.node.gateway import (
+    DEFAULT_IDLE_TIMEOUT_SECONDS,
+    DEFAULT_MAX_FORWARDS_PER_SESSION,
+    DEFAULT_MAX_STREAMS_PER_POD,
+    DEFAULT_MAX_STREAMS_PER_USER,
+    DEFAULT_MAX_STREAMS_PER_USER_PER_POD,
+    GatewayConfig,
+    Limits,
+)
 from podgate.node.listener import DEFAULT_AUTH_TIMEOUT_SECONDS, DEFAULT_MAX_UNAUTHENTICATED
 from podgate.node.server import InsecureListenError, running_gateway
 from podgate.node.upstream import CriTarget
 from podgate.runtime.daemon import DEFAULT_STATE_DIR
+
+# Shared with `podgate up`: what keeps a few users' idle sessions from denying everyone else.
+max_streams_per_user_per_pod_option = click.option(
+    "--max-streams-per-user-per-pod",
+    default=DEFAULT_MAX_STREAMS_PER_USER_PER_POD,
+    show_default=True,
+    help="Sessions one user may have open on one pod (a quarter of the pod's cap by default, "
+    "so two users cannot take a pod from everyone else); 0 = no cap.",
+)
+stream_idle_timeout_option = click.option(
+    "--stream-idle-timeout",
+    default=DEFAULT_IDLE_TIMEOUT_SECONDS,
+    show_default=True,
+    help="Seconds a session may carry no data (pings do not count) before it is closed.",
+)
 
 
 def gateway_options(f: click.decorators.FC) -> click.decorators.FC:
@@ -59,8 +82,6 @@ def gateway_options(f: click.decorators.FC) -> click.decorators.FC:
                 default=None,
                 help="Rate limit of each stream, each way (default: none).",
             ),
-            click.option("--max-streams-per-user", default=64, show_default=True),
-            click.option("--max-streams-per-pod", default=128, show_default=True),
             click.option(
                 "--max-forwards-per-session",
                 default=DEFAULT_MAX_FORWARDS_PER_SESSION,
@@ -70,11 +91,19 @@ def gateway_options(f: click.decorators.FC) -> click.decorators.FC:
                 "opens as many runtime sessions as they need).",
             ),
             click.option(
-                "--stream-idle-timeout",
-                default=4 * 3600.0,
+                "--max-streams-per-user",
+                default=DEFAULT_MAX_STREAMS_PER_USER,
                 show_default=True,
-                help="Seconds without traffic before a stream is closed.",
+                help="Sessions (exec, attach, port-forward) one user may have open; 0 = no cap.",
             ),
+            click.option(
+                "--max-streams-per-pod",
+                default=DEFAULT_MAX_STREAMS_PER_POD,
+                show_default=True,
+                help="Sessions one pod may have open; 0 = no cap.",
+            ),
+            max_streams_per_user_per_pod_option,
+            stream_idle_timeout_option,
             click.option(
                 "--plain-http",
                 is_flag=True,
@@ -150,6 +179,7 @@ def make_config(
     max_streams_per_user: int,
     max_streams_per_pod: int,
     stream_idle_timeout: float,
+    max_streams_per_user_per_pod: int = DEFAULT_MAX_STREAMS_PER_USER_PER_POD,
     max_forwards_per_session: int = DEFAULT_MAX_FORWARDS_PER_SESSION,
     plain_http: bool,
     tls_cert: str = "",
@@ -172,9 +202,10 @@ def make_config(
         audit_log=audit_log,
         metrics_port=metrics_port,
         limits=Limits(
-            max_streams_per_user,
-            max_streams_per_pod,
-            max_bytes_per_sec,
+            max_streams_per_user=max_streams_per_user,
+            max_streams_per_pod=max_streams_per_pod,
+            max_bytes_per_sec=max_bytes_per_sec,
+            max_streams_per_user_per_pod=max_streams_per_user_per_pod,
             max_forwards_per_session=max_forwards_per_session,
         ),
         plain_http=plain_http,

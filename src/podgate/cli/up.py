@@ -14,6 +14,7 @@ import podgate
 from podgate.aio.loop import run, wait_for_signal
 from podgate.cli.errors import listen_failure
 from podgate.cli.logs import setup_logging
+from podgate.cli.node import max_streams_per_user_per_pod_option, stream_idle_timeout_option
 from podgate.cli.nri import nri_config, nri_options
 from podgate.demo.sample_images import SampleImageError, ensure_sample_images
 from podgate.demo.samples import ensure_example, load_example
@@ -55,6 +56,8 @@ def default_examples() -> str:
     help="Directory of sample pods (*.json) to run; empty for none.",
 )
 @click.option("--keep-pods", is_flag=True, help="Leave the sample pods running on exit.")
+@max_streams_per_user_per_pod_option
+@stream_idle_timeout_option
 @click.option(
     "--max-forwards-per-session",
     default=DEFAULT_MAX_FORWARDS_PER_SESSION,
@@ -73,6 +76,8 @@ def up(
     plain_http: bool,
     examples: str,
     keep_pods: bool,
+    max_streams_per_user_per_pod: int,
+    stream_idle_timeout: float,
     max_forwards_per_session: int,
     log_format: str,
     verbose: bool,
@@ -101,8 +106,11 @@ def up(
         nri_network=nri["network"] == "nri",
     )
     try:
-        limits = Limits(max_forwards_per_session=max_forwards_per_session)
-        run(_up(config, port, plain_http, samples, keep_pods, limits))
+        limits = Limits(
+            max_streams_per_user_per_pod=max_streams_per_user_per_pod,
+            max_forwards_per_session=max_forwards_per_session,
+        )
+        run(_up(config, port, plain_http, samples, keep_pods, limits, stream_idle_timeout))
     except OSError as exc:
         failure = listen_failure(exc, "127.0.0.1", port)
         if failure is None:
@@ -117,6 +125,7 @@ async def _up(
     samples: list[dict[str, object]],
     keep: bool,
     limits: Limits,
+    idle_timeout: float,
 ) -> None:
     state_dir = config.state_dir
     pod_ids: list[str] = []
@@ -131,6 +140,7 @@ async def _up(
             port=port,
             plain_http=plain_http,
             limits=limits,
+            idle_timeout=idle_timeout,
         )
         try:
             # The gateway binds first: a busy port fails before any pod starts.

@@ -41,6 +41,9 @@ DEFAULT_MAX_STREAMS_PER_POD = 128
 # Streams one user may hold on one pod: a quarter of the pod's cap, so two (or three) users
 # with sessions left open cannot take a pod away from everyone else.
 DEFAULT_MAX_STREAMS_PER_USER_PER_POD = DEFAULT_MAX_STREAMS_PER_POD // 4
+# Seconds a session may carry no data before it is closed: Kubernetes' streaming idle timeout.
+# Pings do not count (kubectl pings every 5-10 s), so a session left open is reaped.
+DEFAULT_IDLE_TIMEOUT_SECONDS = 4 * 3600.0
 # Forwarded connections one port-forward session (one kubectl port-forward) may carry at once:
 # what a SPDY session allows by default. Upstream, the gateway opens as many sessions to the
 # runtime as these need.
@@ -368,7 +371,7 @@ class GatewayConfig:
     metrics_port: int = 0  # 0 = no metrics endpoint
     limits: Limits = field(default_factory=Limits)
     plain_http: bool = False  # loopback only; a token is still required
-    idle_timeout: float = 4 * 3600.0  # seconds without traffic before a stream is closed
+    idle_timeout: float = DEFAULT_IDLE_TIMEOUT_SECONDS  # seconds without data before closing
     audit_max_bytes: int = DEFAULT_AUDIT_MAX_BYTES
     audit_keep: int = DEFAULT_AUDIT_KEEP
     max_unauthenticated: int = DEFAULT_MAX_UNAUTHENTICATED

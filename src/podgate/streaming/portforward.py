@@ -14,12 +14,12 @@ import logging
 import time
 from collections.abc import Coroutine, Sequence
 
-from podgate.aio.errors import ForwardError, StreamError, StreamResetError
+from podgate.aio.errors import ForwardError, StalledStreamError, StreamError, StreamResetError
 from podgate.aio.spdy import SpdySession, SpdyStream
-from podgate.aio.splice import HALF_CLOSE_GRACE_SECONDS, splice
+from podgate.aio.splice import HALF_CLOSE_GRACE_SECONDS, SpliceResult, splice
 from podgate.aio.streams import DEFAULT_RECEIVE_BYTES, Buffer, ByteStream
 from podgate.aio.tasks import cancel_and_wait
-from podgate.aio.wschannel import ChannelSession
+from podgate.aio.wschannel import ChannelSession, ChannelStream
 from podgate.proto import portforward as pf
 from podgate.proto.spdy import STREAM_WINDOW_BYTES
 from podgate.streaming.hooks import NO_HOOKS, ForwardRecord, SessionHooks
@@ -159,6 +159,12 @@ class SpdyPortForwardServer:
             # The runtime behind us explained the failure: pass its words on.
             record.outcome, record.reason = "error", str(result.error)
             await self._fail(error, data, str(result.error))
+        elif isinstance(result.error, StalledStreamError):
+            message = pf.forward_error_message(
+                pair.port, self.pod.label, self.pod.uid, str(result.error)
+            )
+            record.outcome, record.reason = "error", message
+            await self._fail(error, data, message)
         elif isinstance(result.error, StreamResetError) and data.fin_sent:
             # kubectl 1.32+ resets the data stream once it has read our FIN: a normal end.
             error.reset()
@@ -209,6 +215,23 @@ class _EndsWithErrorStream(ByteStream):
         await self._data.aclose()
 
 
+async def _splice_until_stalled(
+    data_ch: ChannelStream, upstream: ByteStream, grace: float
+) -> SpliceResult:
+    """The splice, ended as soon as the channel is reset for a stalled reader: the copy into
+    the pod may be the one waiting, and would never read the channel to learn of it."""
+    splicing = asyncio.ensure_future(splice(data_ch, upstream, grace=grace))
+    stalled = asyncio.ensure_future(data_ch.stalled.wait())
+    try:
+        await asyncio.wait({splicing, stalled}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        await cancel_and_wait(stalled)
+    if not splicing.done():
+        await cancel_and_wait(splicing)  # closes both streams
+        return SpliceResult(error=data_ch.stall_error or StalledStreamError("port reset"))
+    return splicing.result()
+
+
 async def serve_websocket_portforward(
     channels: ChannelSession,
     ports: Sequence[int],
@@ -242,9 +265,18 @@ async def serve_websocket_portforward(
             # the end of the connection: the pod's EOF ends the port at once (no grace), and
             # the WebSocket closes once every port has ended, as the kubelet does.
             grace = HALF_CLOSE_GRACE_SECONDS if channels.can_close_channels else 0.0
-            result = await splice(data_ch, hooks.wrap(upstream), grace=grace)
+            result = await _splice_until_stalled(data_ch, hooks.wrap(upstream), grace)
             record.bytes_in, record.bytes_out = result.a_to_b, result.b_to_a
-            if result.error is not None:
+            if isinstance(result.error, StalledStreamError | ForwardError):
+                # The pod stopped reading this port, or the runtime explained a failure: say
+                # so on the port's error channel, as the SPDY path does on its error stream.
+                message = str(result.error)
+                if isinstance(result.error, StalledStreamError):
+                    message = pf.forward_error_message(port, pod.label, pod.uid, message)
+                record.outcome, record.reason = "error", message
+                with contextlib.suppress(StreamError):
+                    await error_ch.send(message.encode())
+            elif result.error is not None:
                 record.outcome, record.reason = "error", str(result.error)
         finally:
             hooks.forward_finished(record)

@@ -178,6 +178,8 @@ async def serve_stream(
         name=label,
         inbound=inbound,
         idle_timeout=idle_timeout,
+        # Each port is a connection of its own: a pod that stops reading one is reset.
+        stall_reset=what.kind is StreamKind.PORTFORWARD,
     )
     if what.kind is StreamKind.PORTFORWARD:
         reader = asyncio.create_task(channels.run(), name=f"{label} read loop")

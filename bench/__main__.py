@@ -18,9 +18,11 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from rich.console import Console
 
+from bench import abuse as bench_abuse
 from bench import authflood as bench_authflood
 from bench import containerd as bench_containerd
 from bench import forward as bench_forward
@@ -222,6 +224,48 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"length of the anonymous flood (default {bench_authflood.FLOOD_SECONDS:g})",
     )
     parser.add_argument(
+        "--pingflood",
+        action="store_true",
+        help="also time kubectl exec through `podgate up` quiet and while another user floods "
+        "SPDY PINGs; the RSS growth over the flood (as root; off by default)",
+    )
+    parser.add_argument(
+        "--pingflood-execs",
+        type=int,
+        default=bench_abuse.EXECS,
+        help=f"kubectl execs per period of the PING flood part (default {bench_abuse.EXECS})",
+    )
+    parser.add_argument(
+        "--soak",
+        action="store_true",
+        help="also soak `podgate up` with kubectl port-forwards and connection churn beside a "
+        "PING flood and a never-reading pod, sha256 per connection (as root; off by default)",
+    )
+    parser.add_argument(
+        "--soak-forwards",
+        type=int,
+        default=bench_abuse.SOAK_FORWARDS,
+        help=f"concurrent kubectl port-forwards of the soak (default {bench_abuse.SOAK_FORWARDS})",
+    )
+    parser.add_argument(
+        "--soak-size",
+        type=parse_size,
+        default=bench_abuse.SOAK_TOTAL_BYTES,
+        help="bytes the soak moves, both directions counted (default 10G)",
+    )
+    parser.add_argument(
+        "--soak-connection-size",
+        type=parse_size,
+        default=bench_abuse.SOAK_CONNECTION_BYTES,
+        help="bytes echoed per soak connection (default 8M)",
+    )
+    parser.add_argument(
+        "--soak-seconds",
+        type=float,
+        default=bench_abuse.SOAK_SECONDS,
+        help=f"time bound of the soak (default {bench_abuse.SOAK_SECONDS:g})",
+    )
+    parser.add_argument(
         "--proxy",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -319,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     authflood = None
     with_proxy = args.proxy if args.proxy is not None else os.geteuid() == 0
     proxy = None
+    abuse: dict[str, Any] = {}
     try:
         if args.startup_runs > 0:
             startup = bench_startup.run_startup(args.startup_runs, progress)
@@ -352,6 +397,21 @@ def main(argv: list[str] | None = None) -> int:
             authflood = bench_authflood.run_authflood(
                 args.kubectl, progress, args.authflood_seconds
             )
+        if args.pingflood:
+            ping = bench_abuse.run_pingflood(args.kubectl, progress, args.pingflood_execs)
+            if ping is not None:
+                abuse["pingflood"] = ping
+        if args.soak:
+            soak = bench_abuse.run_soak(
+                args.kubectl,
+                progress,
+                forwards=args.soak_forwards,
+                total=args.soak_size,
+                connection_bytes=args.soak_connection_size,
+                seconds=args.soak_seconds,
+            )
+            if soak is not None:
+                abuse["soak"] = soak
         if with_proxy:
             proxy_size = args.proxy_size or min(bench_proxy.DEFAULT_SIZE, options.size)
             proxy_calls = args.proxy_calls or bench_proxy.default_calls(options.size)
@@ -381,6 +441,8 @@ def main(argv: list[str] | None = None) -> int:
         data["authflood"] = authflood
     if proxy is not None:
         data["proxy"] = proxy
+    if abuse:
+        data["abuse"] = abuse
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(data, indent=1) + "\n")
     md_path = args.markdown or args.json.with_suffix(".md")
@@ -395,6 +457,7 @@ def main(argv: list[str] | None = None) -> int:
         + ("\n" + bench_podstart.markdown(podstart) if podstart is not None else "")
         + ("\n" + bench_authflood.markdown(authflood) if authflood is not None else "")
         + ("\n" + bench_proxy.markdown(proxy) if proxy is not None else "")
+        + ("\n" + bench_abuse.markdown(abuse) if abuse else "")
     )
     print_report(data, console)
     if runtime is not None:
@@ -415,6 +478,8 @@ def main(argv: list[str] | None = None) -> int:
         bench_authflood.print_report(authflood, console)
     if proxy is not None:
         bench_proxy.print_report(proxy, console)
+    if abuse:
+        bench_abuse.print_report(abuse, console)
     console.print(f"results: {args.json} and {md_path}")
     failed = [s for s in data["summary"]["throughput"] + data["summary"]["conns"] if s["errors"]]
     if gateway is not None and bench_gateway.failed(gateway):
@@ -430,6 +495,8 @@ def main(argv: list[str] | None = None) -> int:
     if authflood is not None and bench_authflood.failed(authflood):
         return 1
     if proxy is not None and bench_proxy.failed(proxy):
+        return 1
+    if abuse and bench_abuse.failed(abuse):
         return 1
     return 1 if failed or (runtime is not None and bench_runtime.failed(runtime)) else 0
 

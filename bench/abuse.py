@@ -108,12 +108,14 @@ request = (f"POST /api/v1/namespaces/default/pods/{pod}/portforward HTTP/1.1\r\n
            "Connection: Upgrade\r\nUpgrade: SPDY/3.1\r\n"
            "X-Stream-Protocol-Version: portforward.k8s.io\r\nContent-Length: 0\r\n\r\n").encode()
 pings = b"".join(encode_ping(2 * i + 1) for i in range(batch))
-st = dict(sessions=0, upgraded=0, goaway=0, closed=0, open_at_deadline=0, refused=0,
-          pings_sent=0, echoes=0, errors=0)
+st = dict(sessions=0, upgraded=0, goaway=0, closed=0, open_at_deadline=0, interrupted=0,
+          refused=0, pings_sent=0, echoes=0, errors=0)
+current = threading.Event()  # the session being flooded ends
 deadline = time.monotonic() + seconds
+class Stop(Exception):
+    pass
 def stop(*_):
-    global deadline
-    deadline = 0.0
+    raise Stop  # out of a blocked write too
 signal.signal(signal.SIGTERM, stop)
 def read(s, core, ended):
     try:
@@ -128,43 +130,50 @@ def read(s, core, ended):
         pass
     st["closed"] += 1
     ended.set()
-while time.monotonic() < deadline and st["sessions"] < sessions_max:
-    st["sessions"] += 1
-    try:
-        with ctx.wrap_socket(socket.create_connection(("127.0.0.1", port), timeout=10),
-                             server_hostname="127.0.0.1") as s:
-            s.sendall(request)
-            head = b""
-            while b"\r\n\r\n" not in head:
-                chunk = s.recv(65536)
-                if not chunk:
-                    raise ConnectionError("closed before the answer")
-                head += chunk
-            head, _, rest = head.partition(b"\r\n\r\n")
-            if not head.startswith(b"HTTP/1.1 101"):
-                st["refused"] += 1
-                time.sleep(0.1)
-                continue
-            st["upgraded"] += 1
-            core = SpdyConnection(Role.CLIENT)
-            if rest:
-                core.receive_data(rest)
-            ended = threading.Event()
-            reader = threading.Thread(target=read, args=(s, core, ended), daemon=True)
-            reader.start()
-            try:
-                while not ended.is_set() and time.monotonic() < deadline:
-                    s.sendall(pings)
-                    st["pings_sent"] += batch
-            except OSError:
-                pass
-            ended.wait(10)
-            if not ended.is_set():
-                st["open_at_deadline"] += 1
-                s.shutdown(socket.SHUT_RDWR)
-            reader.join(10)
-    except (OSError, ssl.SSLError):
-        st["errors"] += 1
+def flood():
+  while time.monotonic() < deadline and st["sessions"] < sessions_max:
+      st["sessions"] += 1
+      try:
+          with ctx.wrap_socket(socket.create_connection(("127.0.0.1", port), timeout=10),
+                               server_hostname="127.0.0.1") as s:
+              s.sendall(request)
+              head = b""
+              while b"\r\n\r\n" not in head:
+                  chunk = s.recv(65536)
+                  if not chunk:
+                      raise ConnectionError("closed before the answer")
+                  head += chunk
+              head, _, rest = head.partition(b"\r\n\r\n")
+              if not head.startswith(b"HTTP/1.1 101"):
+                  st["refused"] += 1
+                  time.sleep(0.1)
+                  continue
+              st["upgraded"] += 1
+              core = SpdyConnection(Role.CLIENT)
+              if rest:
+                  core.receive_data(rest)
+              global current
+              current = ended = threading.Event()
+              reader = threading.Thread(target=read, args=(s, core, ended), daemon=True)
+              reader.start()
+              try:
+                  while not ended.is_set() and time.monotonic() < deadline:
+                      s.sendall(pings)
+                      st["pings_sent"] += batch
+              except OSError:
+                  pass
+              ended.wait(10)
+              if not ended.is_set():
+                  st["open_at_deadline"] += 1
+                  s.shutdown(socket.SHUT_RDWR)
+              reader.join(10)
+      except (OSError, ssl.SSLError):
+          st["errors"] += 1
+try:
+    current.set()
+    flood()
+except Stop:
+    st["interrupted"] += not current.is_set()  # stopped while its session was flooded
 print(json.dumps(st))
 """
 

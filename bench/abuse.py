@@ -43,6 +43,7 @@ from bench.authflood import percentile
 from bench.portforward import find_kubectl
 from bench.procs import ChildError, ProcessSet, cpu_seconds
 from bench.report import SectionTables, markdown_tables, print_tables
+from podgate.node.pki import write_kubeconfig
 
 REPO: Final = Path(__file__).resolve().parents[1]
 ECHO_PORT: Final = 7000
@@ -84,6 +85,9 @@ PING_BATCH: Final = 512
 
 # Soak defaults.
 SOAK_FORWARDS: Final = 64
+# kubectl port-forwards per user: under the gateway's cap of one user's streams to one pod
+# (DEFAULT_MAX_STREAMS_PER_USER_PER_POD, 32), which a forward's connections count against.
+PER_USER: Final = 16
 SOAK_TOTAL_BYTES: Final = 10 * 1024**3
 SOAK_CONNECTION_BYTES: Final = 8 * 1024 * 1024
 # The soak's time bound: it stops (and says so) when this passes before TOTAL was moved.
@@ -221,6 +225,19 @@ class Up:
     ca: str
     flooder_token: str
     env: dict[str, str]  # kubectl's: an empty HOME of its own
+    root: Path
+
+    def user_kubeconfig(self, name: str) -> str:
+        """A kubeconfig for one more user (a bearer token, group system:masters): the gateway
+        caps one user's streams to one pod, so the soak's forwards are spread over users."""
+        token = secrets.token_hex(16)
+        with open(self.root / "s" / "node" / "tokens.csv", "a") as f:
+            f.write(f'{token},{name},{name},"system:masters"\n')
+        path = self.root / f"kubeconfig-{name}"
+        write_kubeconfig(
+            path, f"https://127.0.0.1:{self.port}", Path(self.ca), user=name, token=token
+        )
+        return str(path)
 
 
 @contextlib.contextmanager
@@ -255,7 +272,8 @@ def running_up(procs: ProcessSet) -> Iterator[Up]:
         home.mkdir()
         env = {k: v for k, v in os.environ.items() if not k.startswith("KUBECTL_")}
         env["HOME"] = str(home)
-        yield Up(up.pid, int(match[1]), match[2], str(node / "pki" / "ca.crt"), token, env)
+        ca = str(node / "pki" / "ca.crt")
+        yield Up(up.pid, int(match[1]), match[2], ca, token, env, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -391,10 +409,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_forward(kubectl: str, up: Up, remote: int) -> Forward:
+def start_forward(kubectl: str, up: Up, remote: int, kubeconfig: str) -> Forward:
     port = _free_port()
     proc = subprocess.Popen(
-        [kubectl, "--kubeconfig", up.kubeconfig, "port-forward", "pod/data", f"{port}:{remote}"],
+        [kubectl, "--kubeconfig", kubeconfig, "port-forward", "pod/data", f"{port}:{remote}"],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
@@ -477,9 +495,10 @@ def run_soak(
         started: list[Forward] = []
         try:
             progress(f"soak: {forwards} kubectl port-forwards")
-            for _ in range(forwards):
-                started.append(start_forward(kubectl, up, ECHO_PORT))
-            stall = start_forward(kubectl, up, STALL_PORT)
+            users = [up.user_kubeconfig(f"soak{i}") for i in range(-(-forwards // PER_USER))]
+            for i in range(forwards):
+                started.append(start_forward(kubectl, up, ECHO_PORT, users[i // PER_USER]))
+            stall = start_forward(kubectl, up, STALL_PORT, up.kubeconfig)
             started.append(stall)
             for fw in started[:forwards]:  # warm: every forward's first session made
                 echo_connection(fw.port, 1024)

@@ -226,6 +226,13 @@ class Up:
     flooder_token: str
     env: dict[str, str]  # kubectl's: an empty HOME of its own
     root: Path
+    log: Path  # what `podgate up` logs
+
+    def warnings(self) -> list[str]:
+        """The warning and error lines `podgate up` logged so far (what the report quotes
+        when connections failed)."""
+        text = self.log.read_text(errors="replace")
+        return [ln for ln in text.splitlines() if " WARNING " in ln or " ERROR " in ln]
 
     def user_kubeconfig(self, name: str) -> str:
         """A kubeconfig for one more user (a bearer token, group system:masters): the gateway
@@ -273,7 +280,7 @@ def running_up(procs: ProcessSet) -> Iterator[Up]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KUBECTL_")}
         env["HOME"] = str(home)
         ca = str(node / "pki" / "ca.crt")
-        yield Up(up.pid, int(match[1]), match[2], ca, token, env, root)
+        yield Up(up.pid, int(match[1]), match[2], ca, token, env, root, up.err_path)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -541,6 +548,7 @@ def run_soak(
                 flooders[0].stop()
             time.sleep(2.0)
             rss_after = rss_bytes(up.pid)
+            warnings = up.warnings()
         finally:
             for fw in started:
                 if fw.proc.poll() is None:
@@ -572,6 +580,8 @@ def run_soak(
         "rss_after": rss_after,
         "rss_growth": rss.peak - rss.start,
         "bounds": {"rss_under_64mb": rss.peak - rss.start <= RSS_BOUND_BYTES},
+        "warnings": len(warnings),
+        "first_warnings": warnings[:10],
     }
 
 

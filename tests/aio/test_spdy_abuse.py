@@ -19,7 +19,6 @@ from podgate.aio.spdy import (
     CONTROL_FRAME_BURST,
     MAX_QUEUED_BYTES_PER_STREAM,
     MAX_STREAMS_PER_SESSION,
-    STALLED_STREAM_RESET_SECONDS,
     SpdySession,
     SpdyStream,
 )
@@ -34,6 +33,8 @@ from podgate.proto.wschannel import TunnelConnection
 PROMPT_SECONDS = 20.0
 # Far above the burst: what a flooding client sends in well under a second.
 FLOOD_PINGS = 20 * CONTROL_FRAME_BURST
+# The stall limit of the session under test: short, so the test does not wait the default.
+STALL_LIMIT_SECONDS = 2.0
 
 
 class Peer:
@@ -152,7 +153,7 @@ async def test_tunnel_closed_under_a_writer_is_a_stream_error_not_a_traceback() 
 
 async def test_a_reader_that_never_reads_cannot_pin_the_session_after_the_peer_left() -> None:
     """Without flow control a full stream parks the read loop; if nobody ever reads it, the
-    stream is reset after STALLED_STREAM_RESET_SECONDS and the loop reads on, so the peer's
+    stream is reset after the session's stall limit and the loop reads on, so the peer's
     leaving is seen and the session (its socket, its buffers) is released."""
     a, b = socket.socketpair()
     client_wire, server_wire = await SocketStream.from_socket(a), await SocketStream.from_socket(b)
@@ -162,7 +163,13 @@ async def test_a_reader_that_never_reads_cannot_pin_the_session_after_the_peer_l
         stream.accept()
         accepted.append(stream)  # and never read
 
-    server = SpdySession(server_wire, Role.SERVER, on_stream=on_stream, idle_timeout=None)
+    server = SpdySession(
+        server_wire,
+        Role.SERVER,
+        on_stream=on_stream,
+        idle_timeout=None,
+        stalled_reset_seconds=STALL_LIMIT_SECONDS,
+    )
     client = SpdySession(client_wire, Role.CLIENT, idle_timeout=None)
     async with asyncio.TaskGroup() as tg:
         serving = tg.create_task(server.run())
@@ -173,7 +180,7 @@ async def test_a_reader_that_never_reads_cannot_pin_the_session_after_the_peer_l
         assert not sender.done()  # held by backpressure, not buffered
         sender.cancel()
         client_wire.abort()  # the client leaves abruptly
-        async with asyncio.timeout(STALLED_STREAM_RESET_SECONDS + PROMPT_SECONDS):
+        async with asyncio.timeout(STALL_LIMIT_SECONDS + PROMPT_SECONDS):
             await serving
         await server.aclose()
         await client.aclose()

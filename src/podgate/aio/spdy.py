@@ -70,8 +70,10 @@ MAX_QUEUED_BYTES_PER_STREAM = 2 * 1024 * 1024
 WINDOW_UPDATE_DIVISOR = 2
 # Without flow control, how long a stream's full queue may go without one read before the
 # stream is reset (RST_STREAM CANCEL) so the session reads on: a reader that is merely slow
-# reads something well within it; one that is gone must not pin the session for ever.
-STALLED_STREAM_RESET_SECONDS = 5.0
+# reads something well within it; one that is gone must not pin the session for ever. A live
+# reader can be held up by its own peer's backpressure (an echo through kubectl, 64 such
+# connections on 2 busy cores) for more than 5 s: 5 s reset 50 of 128 healthy connections.
+STALLED_STREAM_RESET_SECONDS = 30.0
 # client-go pings every 5 s on a direct SPDY connection (10 s inside the WebSocket tunnel).
 CLIENT_PING_INTERVAL_SECONDS = 5.0
 # Kubernetes' default streaming idle timeout (kubelet, containerd, CRI streaming server).
@@ -298,13 +300,14 @@ class SpdyStream(ByteStream):
 
     async def _wait_for_reader(self) -> None:
         """Park the read loop (TCP backpressure) until the application reads this stream, but
-        not for a reader that makes no progress at all: after STALLED_STREAM_RESET_SECONDS
+        not for a reader that makes no progress at all: after `stalled_reset_seconds`
         without a read the stream is reset and the session reads on. Otherwise a consumer that
         is gone for good would pin the session, and with it everything the connection holds,
         even after the peer left (a parked loop never sees the connection end)."""
         while not self._writable.is_set():
             quiet = self.session._loop.time() - max(self._last_read, self._full_since)
-            if quiet >= STALLED_STREAM_RESET_SECONDS:
+            limit = self.session.stalled_reset_seconds
+            if quiet >= limit:
                 log.warning(
                     "%s: stream %d unread for %.0f s with %d bytes queued: reset",
                     self.session.name,
@@ -315,7 +318,7 @@ class SpdyStream(ByteStream):
                 self.reset(RstStatus.CANCEL)
                 return
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._writable.wait(), STALLED_STREAM_RESET_SECONDS - quiet)
+                await asyncio.wait_for(self._writable.wait(), limit - quiet)
 
     def _finish(self, error: StreamResetError | None, *, keep_data: bool = False) -> None:
         """End the stream: closed by us (error None) or reset. Data the peer sent before its
@@ -355,10 +358,13 @@ class SpdySession:
         ping_interval: float | None = None,
         data_frame_bytes: int = SEND_DATA_FRAME_BYTES,
         flow_control_window: int | None = None,
+        stalled_reset_seconds: float = STALLED_STREAM_RESET_SECONDS,
         name: str = "spdy",
     ) -> None:
         """`flow_control_window`: per-stream flow control with this window each way, for a
-        peer known to do the same (see the module docstring); None for every Kubernetes peer."""
+        peer known to do the same (see the module docstring); None for every Kubernetes peer.
+        `stalled_reset_seconds`: see STALLED_STREAM_RESET_SECONDS."""
+        self.stalled_reset_seconds = stalled_reset_seconds
         self._wire = wire
         self._core = SpdyConnection(
             role, max_data_frame=data_frame_bytes, flow_control_window=flow_control_window

@@ -19,13 +19,14 @@ from podgate.aio.spdy import (
     CONTROL_FRAME_BURST,
     MAX_QUEUED_BYTES_PER_STREAM,
     MAX_STREAMS_PER_SESSION,
+    PARSE_SLICE_BYTES,
     SpdySession,
     SpdyStream,
 )
 from podgate.aio.streams import SocketStream
 from podgate.aio.wschannel import TunnelWire
 from podgate.proto.spdy import GoAwayReceived, Role, SpdyConnection, StreamReset
-from podgate.proto.spdy.events import Event, PingAcknowledged, StreamReplied
+from podgate.proto.spdy.events import Event, PingAcknowledged, PingReceived, StreamReplied
 from podgate.proto.spdy.frames import GoAwayStatus, RstStatus, encode_ping
 from podgate.proto.wschannel import Role as WsRole
 from podgate.proto.wschannel import TunnelConnection
@@ -33,6 +34,7 @@ from podgate.proto.wschannel import TunnelConnection
 PROMPT_SECONDS = 20.0
 # Far above the burst: what a flooding client sends in well under a second.
 FLOOD_PINGS = 20 * CONTROL_FRAME_BURST
+PING_FRAME_BYTES = len(encode_ping(1))
 # The stall limit of the session under test: short, so the test does not wait the default.
 STALL_LIMIT_SECONDS = 2.0
 
@@ -94,6 +96,29 @@ async def test_ping_flood_gets_goaway_instead_of_echoes(
     # Echoed at most the burst the budget allows, never the whole flood.
     assert len(echoes) <= CONTROL_FRAME_BURST
     assert server.done.is_set()
+
+
+async def test_ping_flood_is_refused_before_a_whole_read_is_parsed(
+    served: tuple[SpdySession, Peer, list[SpdyStream]],
+) -> None:
+    """Each slice of a read is charged to the budget before the next is parsed: the flood
+    costs the session the burst plus one slice of parsed PINGs, not whole reads of them."""
+    server, peer, _ = served
+    parsed = 0
+    receive_data = server._core.receive_data
+
+    def counting(data: bytes) -> list[Event]:
+        nonlocal parsed
+        events = receive_data(data)
+        parsed += sum(isinstance(e, PingReceived) for e in events)
+        return events
+
+    server._core.receive_data = counting  # type: ignore[method-assign]
+    await peer.wire.send(b"".join(encode_ping(2 * i + 1) for i in range(FLOOD_PINGS)))
+    await peer.read_all()
+    assert any(isinstance(e, GoAwayReceived) for e in peer.events)
+    one_slice = PARSE_SLICE_BYTES // PING_FRAME_BYTES + 1
+    assert CONTROL_FRAME_BURST < parsed <= CONTROL_FRAME_BURST + 2 * one_slice, parsed
 
 
 async def test_pings_at_client_go_rate_are_all_answered(

@@ -28,6 +28,7 @@ from bench import containerd as bench_containerd
 from bench import forward as bench_forward
 from bench import gateway as bench_gateway
 from bench import images as bench_images
+from bench import manyforwards as bench_manyforwards
 from bench import podstart as bench_podstart
 from bench import proxy as bench_proxy
 from bench import runtime as bench_runtime
@@ -266,6 +267,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"time bound of the soak (default {bench_abuse.SOAK_SECONDS:g})",
     )
     parser.add_argument(
+        "--manyforwards",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also hold thousands of concurrent forwards to one pod through the gateway, one "
+        "kubectl port-forward per user (default: on as root, unless --skip-kubectl)",
+    )
+    parser.add_argument(
+        "--manyforwards-conns",
+        type=int,
+        default=bench_manyforwards.PER_USER,
+        help="connections per user in that part "
+        f"(default {bench_manyforwards.PER_USER}, {bench_manyforwards.USERS} users)",
+    )
+    parser.add_argument(
         "--proxy",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -361,6 +376,12 @@ def main(argv: list[str] | None = None) -> int:
     podstart = None
     with_authflood = args.authflood if args.authflood is not None else not args.skip_kubectl
     authflood = None
+    with_manyforwards = (
+        args.manyforwards
+        if args.manyforwards is not None
+        else os.geteuid() == 0 and not args.skip_kubectl
+    )
+    manyforwards = None
     with_proxy = args.proxy if args.proxy is not None else os.geteuid() == 0
     proxy = None
     abuse: dict[str, Any] = {}
@@ -412,6 +433,10 @@ def main(argv: list[str] | None = None) -> int:
             )
             if soak is not None:
                 abuse["soak"] = soak
+        if with_manyforwards:
+            manyforwards = bench_manyforwards.run_manyforwards(
+                args.kubectl, progress, per_user=args.manyforwards_conns
+            )
         if with_proxy:
             proxy_size = args.proxy_size or min(bench_proxy.DEFAULT_SIZE, options.size)
             proxy_calls = args.proxy_calls or bench_proxy.default_calls(options.size)
@@ -439,6 +464,8 @@ def main(argv: list[str] | None = None) -> int:
         data["podstart"] = podstart
     if authflood is not None:
         data["authflood"] = authflood
+    if manyforwards is not None:
+        data["manyforwards"] = manyforwards
     if proxy is not None:
         data["proxy"] = proxy
     if abuse:
@@ -456,6 +483,7 @@ def main(argv: list[str] | None = None) -> int:
         + ("\n" + bench_images.markdown(images) if images is not None else "")
         + ("\n" + bench_podstart.markdown(podstart) if podstart is not None else "")
         + ("\n" + bench_authflood.markdown(authflood) if authflood is not None else "")
+        + ("\n" + bench_manyforwards.markdown(manyforwards) if manyforwards is not None else "")
         + ("\n" + bench_proxy.markdown(proxy) if proxy is not None else "")
         + ("\n" + bench_abuse.markdown(abuse) if abuse else "")
     )
@@ -476,6 +504,8 @@ def main(argv: list[str] | None = None) -> int:
         bench_podstart.print_report(podstart, console)
     if authflood is not None:
         bench_authflood.print_report(authflood, console)
+    if manyforwards is not None:
+        bench_manyforwards.print_report(manyforwards, console)
     if proxy is not None:
         bench_proxy.print_report(proxy, console)
     if abuse:
@@ -493,6 +523,8 @@ def main(argv: list[str] | None = None) -> int:
     if podstart is not None and bench_podstart.failed(podstart):
         return 1
     if authflood is not None and bench_authflood.failed(authflood):
+        return 1
+    if manyforwards is not None and bench_manyforwards.failed(manyforwards):
         return 1
     if proxy is not None and bench_proxy.failed(proxy):
         return 1

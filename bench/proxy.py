@@ -7,8 +7,9 @@ moves compared with containerd's own port-forward into a plain pod, in the same 
 
 Everything runs against a private containerd (tests/e2e/containerd_support.py: its own root,
 state and socket under /tmp, a local busybox image, host-network pods), which needs root. The
-unary figures interleave direct and proxied calls one by one, so load on the machine hits both
-alike. Throughput is an echo: each byte goes to the pod and back, sha256-checked.
+unary figures interleave direct and proxied calls one by one, in a shuffled order, so load on
+the machine hits all alike, in one round per run (medians of the rounds are reported).
+Throughput is an echo: each byte goes to the pod and back, sha256-checked.
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ import asyncio
 import hashlib
 import json
 import os
+import random
 import shutil
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +46,8 @@ DEFAULT_SIZE = 64 * 1024 * 1024
 CHUNK_BYTES = 256 * 1024
 # Calls made before measuring (connections, first-call paths warmed).
 WARMUP_CALLS = 50
+# The unary calls' order over the paths is shuffled with this seed (the same in every run).
+ORDER_SEED = 1
 # One echo run may take this long (a loaded 2-core machine, two SPDY hops and a forwarder).
 RUN_TIMEOUT_SECONDS = 300.0
 # The issue's goal: the proxy adds at most this much to a unary call's median.
@@ -64,9 +68,12 @@ def percentile(samples: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def unary_latency(sockets: dict[str, Path], calls: int, sandbox_id: str) -> list[dict[str, Any]]:
+def unary_latency(
+    sockets: dict[str, Path], calls: int, sandbox_id: str, rounds: int = 1
+) -> list[dict[str, Any]]:
     """p50/p99 of Version and PodSandboxStatus on each socket ("direct" first), interleaved
-    call by call."""
+    call by call in a shuffled order, in `rounds` rounds of `calls` calls per path: the median
+    of the rounds' figures, and of each round's p50 less direct's in the same round."""
     import grpc
 
     from podgate.cri import api_pb2 as pb
@@ -83,25 +90,38 @@ def unary_latency(sockets: dict[str, Path], calls: int, sandbox_id: str) -> list
         for method, body in requests.items():
             name = f"/runtime.v1.RuntimeService/{method}"
             stubs = {path: channel.unary_unary(name) for path, channel in channels.items()}
-            samples: dict[str, list[float]] = {path: [] for path in stubs}
-            for i in range(WARMUP_CALLS + calls):
-                for path, stub in stubs.items():
-                    start = time.perf_counter()
-                    stub(body, timeout=30)
-                    if i >= WARMUP_CALLS:
-                        samples[path].append(time.perf_counter() - start)
-            direct_p50 = percentile(samples["direct"], 0.5) * 1e6
-            for path, values in samples.items():
-                p50 = percentile(values, 0.5) * 1e6
+            per_round: dict[str, list[tuple[float, float, float]]] = {p: [] for p in stubs}
+            order = list(stubs)
+            shuffle = random.Random(ORDER_SEED).shuffle
+            for round_ in range(rounds):
+                samples: dict[str, list[float]] = {path: [] for path in stubs}
+                warmup = WARMUP_CALLS if round_ == 0 else 0
+                for i in range(warmup + calls):
+                    # A new order each time: a call costs more after a slow one on another path
+                    # (caches, idle CPUs), so no path may mostly follow the same other.
+                    shuffle(order)
+                    for path in order:
+                        stub = stubs[path]
+                        start = time.perf_counter()
+                        stub(body, timeout=30)
+                        if i >= warmup:
+                            samples[path].append(time.perf_counter() - start)
+                direct_p50 = percentile(samples["direct"], 0.5) * 1e6
+                for path, values in samples.items():
+                    p50 = percentile(values, 0.5) * 1e6
+                    p99 = percentile(values, 0.99) * 1e6
+                    per_round[path].append((p50, p99, p50 - direct_p50))
+            for path, figures in per_round.items():
                 rows.append(
                     {
                         "method": method,
                         "path": path,
                         "calls": calls,
-                        "p50_us": p50,
-                        "p99_us": percentile(values, 0.99) * 1e6,
-                        "mean_us": statistics.fmean(values) * 1e6,
-                        "added_p50_us": p50 - direct_p50,
+                        "rounds": rounds,
+                        "p50_us": statistics.median(f[0] for f in figures),
+                        "p99_us": statistics.median(f[1] for f in figures),
+                        "added_p50_us": statistics.median(f[2] for f in figures),
+                        "p50_rounds_us": [round(f[0]) for f in figures],
                     }
                 )
     finally:
@@ -152,7 +172,11 @@ async def echo(socket_path: Path, pod: Any, port: int, size: int) -> tuple[float
     return seconds, count == size and sent.digest() == received.digest()
 
 
-def run_proxy(calls: int, size: int, runs: int, progress: Progress) -> dict[str, Any]:
+def run_proxy(
+    calls: int, size: int, runs: int, progress: Progress, relay_sources: Sequence[Path] = ()
+) -> dict[str, Any]:
+    """The section; each of `relay_sources` (another checkout's `src`) adds a relay proxy run
+    from that code to the unary figures, for a before/after in one run."""
     for where in TEST_HELPERS:
         if str(REPO / where) not in sys.path:
             sys.path.append(str(REPO / where))
@@ -193,8 +217,12 @@ def run_proxy(calls: int, size: int, runs: int, progress: Progress) -> dict[str,
             wait_listening(proxied_port)
             proxies = []
             sockets = {"direct": ctrd.socket}
-            for plane in DATA_PLANES:
-                sock = work / f"proxy-{plane}.sock"
+            planes = [(p, f"proxy ({p})", None) for p in DATA_PLANES] + [
+                ("relay", f"proxy (relay, {src})", src) for src in relay_sources
+            ]
+            for n, (plane, label, src) in enumerate(planes):
+                sock = work / f"proxy-{n}.sock"
+                env = None if src is None else dict(os.environ, PYTHONPATH=str(Path(src).resolve()))
                 process, _ = start_process(
                     [
                         "proxy",
@@ -203,15 +231,16 @@ def run_proxy(calls: int, size: int, runs: int, progress: Progress) -> dict[str,
                         *("--select-annotation", "=".join(ANNOTATION)),
                         *("--data-plane", plane),
                     ],
-                    work / f"proxy-{plane}.log",
+                    work / f"proxy-{n}.log",
                     PROXY_READY,
+                    env,
                 )
                 proxies.append(process)
-                sockets[f"proxy ({plane})"] = sock
+                sockets[label] = sock
             proxy_sock = sockets[f"proxy ({DATA_PLANES[0]})"]
             try:
                 progress(f"proxy: {calls} unary calls per method and path")
-                section["unary"] = unary_latency(sockets, calls, plain.sandbox_id)
+                section["unary"] = unary_latency(sockets, calls, plain.sandbox_id, runs)
                 for run in range(runs):
                     progress(f"proxy: echo {format_size(size)}, run {run + 1}/{runs}")
                     for path, sock, pod, port in (
@@ -272,9 +301,10 @@ def _tables(section: dict[str, Any]) -> list[tuple[str, str, tuple[str, ...], li
     ]
     return [
         (
-            f"podgate proxy: unary CRI calls, {meta['calls']} per method and path (µs)",
-            "Calls interleaved over the paths from one client; added = p50 − direct p50 "
-            f"(goal ≤ {GOAL_ADDED_P50_US:.0f} µs).",
+            f"podgate proxy: unary CRI calls, {meta['calls']} per method and path, median of "
+            f"{meta['runs']} round(s) (µs)",
+            "Calls interleaved over the paths from one client; added = p50 − direct p50 of the "
+            f"same round (goal ≤ {GOAL_ADDED_P50_US:.0f} µs).",
             ("method", "path", "p50", "added p50", "p99"),
             unary_rows,
         ),
@@ -311,9 +341,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", type=parse_size, default=DEFAULT_SIZE)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--json", type=Path, help="also write the section as JSON here")
+    parser.add_argument(
+        "--relay-src",
+        type=Path,
+        action="append",
+        default=[],
+        help="also time a relay proxy run from this source directory (another checkout's src), "
+        "for a before/after in one run; may be repeated",
+    )
     args = parser.parse_args(argv)
     err = Console(stderr=True)
-    section = run_proxy(args.calls, args.size, args.runs, lambda m: err.print(f"[dim]{m}[/dim]"))
+    section = run_proxy(
+        args.calls,
+        args.size,
+        args.runs,
+        lambda m: err.print(f"[dim]{m}[/dim]"),
+        args.relay_src,
+    )
     console = Console() if sys.stdout.isatty() else Console(width=REPORT_WIDTH)
     print_report(section, console)
     if args.json:

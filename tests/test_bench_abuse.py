@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.privileged]
 ONLY = (
     *("--paths", "direct", "--conns", "0", "--sessions", "0", "--no-throughput"),
     *("--no-runtime", "--no-gateway", "--no-forward", "--no-authflood", "--no-podstart"),
-    *("--no-proxy", "--startup-runs", "0"),
+    *("--no-proxy", "--no-manyforwards", "--startup-runs", "0"),
 )
 # kubectl execs per period: enough to overlap many flood sessions.
 EXECS = 10

@@ -74,6 +74,10 @@ class PodRecord:
     # CRI DNSConfig as {"servers": [...], "searches": [...], "options": [...]}; None = absent.
     dns: dict[str, list[str]] | None = None
     sysctls: dict[str, str] = field(default_factory=dict)
+    # Pod-level CRI LinuxContainerResources (overhead, and the sum of the containers'), as
+    # ContainerSpec.resources keeps them: from RunPodSandbox, then UpdatePodSandboxResources.
+    overhead: dict[str, Any] = field(default_factory=dict)
+    resources: dict[str, Any] = field(default_factory=dict)
     # Anything extra the network or sandbox layers need to keep (e.g. sandbox dirs).
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -191,6 +195,8 @@ def pod_from_json(data: dict[str, Any]) -> PodRecord:
         privileged=bool(data.get("privileged", False)),
         dns=data.get("dns"),
         sysctls=dict(data.get("sysctls", {})),
+        overhead=dict(data.get("overhead", {})),
+        resources=dict(data.get("resources", {})),
         extra=dict(data.get("extra", {})),
     )
 

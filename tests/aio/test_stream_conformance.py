@@ -303,7 +303,11 @@ async def agent_connection() -> AsyncIterator[Pair]:
     pod = types.SimpleNamespace(id="pod", metadata=types.SimpleNamespace(uid="uid"))
     async with tcp() as (a, b):
         assert isinstance(a, SocketStream)
-        yield _AgentStream(a, pod, 80), b  # type: ignore[arg-type]
+
+        async def shim_confirms_the_end() -> None:
+            return None
+
+        yield _AgentStream(a, pod, 80, shim_confirms_the_end), b  # type: ignore[arg-type]
 
 
 @contextlib.asynccontextmanager

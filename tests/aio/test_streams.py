@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import socket
 from collections.abc import AsyncIterator, Callable
 
 import pytest
@@ -171,3 +172,40 @@ async def test_splice_grace_bounds_a_half_closed_peer() -> None:
     result = await asyncio.wait_for(splice(a, b, grace=0.2), 5)
     assert result.error is None
     assert await b_peer.receive() == b""
+
+
+async def test_a_consumer_takes_bytes_when_none_wait_and_leaves_the_rest_in_order() -> None:
+    a, b = socket.socketpair()
+    sender, receiver = await SocketStream.from_socket(a), await SocketStream.from_socket(b)
+    taken: list[bytes] = []
+    accept = True
+    arrived = asyncio.Event()
+
+    def consumer(data: bytes) -> bool:
+        arrived.set()
+        if accept:
+            taken.append(data)
+        return accept
+
+    receiver.set_consumer(consumer)
+    try:
+        await sender.send(b"one")
+        await asyncio.wait_for(arrived.wait(), 10)
+        assert taken == [b"one"]
+        # Declined: the bytes wait for receive(), and later ones queue behind them even though
+        # the consumer would take them now.
+        accept, arrived = False, asyncio.Event()
+        await sender.send(b"two")
+        await asyncio.wait_for(arrived.wait(), 10)
+        accept = True
+        await sender.send(b"three")
+        await sender.send_eof()
+        # Both buffered before anything is received (the kernel delivers them).
+        async with asyncio.timeout(10):
+            while receiver._protocol._buffered < len(b"twothree"):  # noqa: ASYNC110 - no event
+                await asyncio.sleep(0.01)
+        assert await receive_all(receiver) == b"twothree"
+        assert taken == [b"one"]
+    finally:
+        await sender.aclose()
+        await receiver.aclose()

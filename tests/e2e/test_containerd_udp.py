@@ -74,7 +74,7 @@ async def test_udp_is_refused_and_tcp_goes_on(stack: Stack) -> None:
                 echoed += chunk
             await tcp.aclose()
             assert echoed == b"over containerd"
-            (session,) = target.pooled_sessions.values()
+            ((session,),) = target.pooled_sessions.values()
             assert (session.protocol, session.supports_udp) == ("portforward.k8s.io", False)
 
             with pytest.raises(TargetError) as info:
@@ -86,7 +86,7 @@ async def test_udp_is_refused_and_tcp_goes_on(stack: Stack) -> None:
             await again.send(b"still")
             assert await again.receive() == b"still"
             await again.aclose()
-            assert list(target.pooled_sessions.values()) == [session]
+            assert list(target.pooled_sessions.values()) == [[session]]
     finally:
         await target.aclose()
         await client.close()

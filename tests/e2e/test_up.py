@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -90,6 +91,7 @@ def test_sample_pods_are_listed(up: dict[str, str]) -> None:
     rows = {line.split()[0]: line.split() for line in out.stdout.splitlines()[1:]}
     assert rows["hello"][1:3] == ["1/1", "Running"]
     assert rows["shell"][1:3] == ["1/1", "Running"]
+    assert rows["udp-echo"][1:3] == ["1/1", "Running"]
 
 
 def test_exec_runs_inside_the_pod(up: dict[str, str]) -> None:
@@ -103,9 +105,12 @@ def test_sample_pods_run_from_their_images(up: dict[str, str]) -> None:
     # hello's root is localhost/podgate/hello: its /www, and none of the node's files.
     out = run_kubectl(up, "exec", "hello", "--", "cat", "/www/index.html")
     assert (out.returncode, out.stdout) == (0, "hello from podgate\n"), out.stderr
-    for pod in ("hello", "shell"):
+    for pod in ("hello", "shell", "udp-echo"):
         out = run_kubectl(up, "exec", pod, "--", "ls", sys.executable)
         assert out.returncode != 0 and "No such file" in out.stderr, (pod, out)
+    # udp-echo runs the image's own program (its log line), not python3 from the node.
+    logs = run_kubectl(up, "logs", "udp-echo")
+    assert (logs.returncode, logs.stdout) == (0, "udp-echo listening on port 9053\n"), logs
     # busybox httpd answers inside the pod and logs the request (kubectl logs: its stderr).
     out = run_kubectl(up, "exec", "hello", "--", "wget", "-qO-", "http://127.0.0.1:8080/")
     assert (out.returncode, out.stdout) == (0, "hello from podgate\n"), out.stderr
@@ -180,7 +185,9 @@ def test_readme_udp_example_echoes_through_podgate_port_forward(up: dict[str, st
                     except TimeoutError:
                         assert pf.poll() is None, pf.stderr.read() if pf.stderr else ""
                         assert time.monotonic() < deadline, "no UDP echo through the forward"
-        assert echoed == payloads
+        assert [hashlib.sha256(e).hexdigest() for e in echoed] == [
+            hashlib.sha256(p).hexdigest() for p in payloads
+        ]
     finally:
         pf.terminate()
         pf.wait(10)

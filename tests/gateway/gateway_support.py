@@ -356,8 +356,9 @@ def read_lines(proc: subprocess.Popen[bytes], count: int, timeout: float) -> lis
 
 
 @contextlib.contextmanager
-def running_gateway() -> Iterator[Gateway]:
-    """`podgate up` on a fresh state directory with the sample pods of `write_examples`."""
+def running_gateway(extra_args: Sequence[str] = ()) -> Iterator[Gateway]:
+    """`podgate up` on a fresh state directory with the sample pods of `write_examples`
+    (and `extra_args` for it)."""
     # Short: the runtime puts unix sockets under <state>/run/<64 hex>/ (108-byte limit).
     root = Path(tempfile.mkdtemp(prefix="pgw", dir="/tmp"))
     state = root / "s"
@@ -365,7 +366,7 @@ def running_gateway() -> Iterator[Gateway]:
     write_examples(examples)
     log_path = root / "up.log"
     argv = [sys.executable, "-m", "podgate", "up", "--state-dir", str(state), "--port", "0"]
-    argv += ["--examples", str(examples)]
+    argv += ["--examples", str(examples), *extra_args]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     try:

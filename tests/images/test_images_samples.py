@@ -28,6 +28,7 @@ from podgate.demo.sample_images import (
     HELLO_BODY,
     HELLO_IMAGE,
     SAMPLE_IMAGES,
+    UDP_ECHO_IMAGE,
     SampleImageError,
     build_sample_images,
     ensure_sample_images,
@@ -94,13 +95,19 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _free_udp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def test_imported_once_shared_base_and_working(tmp_path: Path, built: dict[str, object]) -> None:
     store = ImageStore(tmp_path / "state")
     records = ensure_sample_images(store)
-    assert [r.repo_tags for r in records] == [[BUSYBOX_IMAGE], [HELLO_IMAGE]]
-    shell, hello = records
-    assert shell.chain_ids[0] == hello.chain_ids[0]
-    assert len(store.snapshots.ids()) == 2
+    assert [r.repo_tags for r in records] == [[BUSYBOX_IMAGE], [HELLO_IMAGE], [UDP_ECHO_IMAGE]]
+    shell, hello, echo = records
+    assert shell.chain_ids[0] == hello.chain_ids[0] == echo.chain_ids[0]
+    assert len(store.snapshots.ids()) == 3
     assert hello.config.cmd[0] == "httpd" and shell.config.cmd == ["sh"]
     # A second start builds and imports nothing new.
     blobs = store.content.digests()
@@ -135,6 +142,29 @@ def test_imported_once_shared_base_and_working(tmp_path: Path, built: dict[str, 
         finally:
             proc.send_signal(signal.SIGKILL)
             proc.wait()
+
+    # The udp-echo image's program answers every datagram with its own bytes.
+    port = _free_udp_port()
+    with mounted(store, UDP_ECHO_IMAGE, tmp_path / "echo") as root:
+        assert echo.config.cmd == ["udp-echo", "9053"]
+        proc = subprocess.Popen(["chroot", str(root), "udp-echo", str(port)],
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)  # fmt: skip
+        try:
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            assert line == f"udp-echo listening on port {port}\n".encode()
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as client:
+                client.settimeout(SERVE_TIMEOUT_SECONDS)
+                for payload in (b"hi", os.urandom(65507)):  # the largest IPv4 UDP payload
+                    client.sendto(payload, ("127.0.0.1", port))
+                    data, peer = client.recvfrom(65536)
+                    assert peer == ("127.0.0.1", port)
+                    assert hashlib.sha256(data).digest() == hashlib.sha256(payload).digest()
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
 
 
 @pytest.mark.e2e

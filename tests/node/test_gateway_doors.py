@@ -21,7 +21,7 @@ from podgate.node.gateway import GatewayConfig
 from podgate.node.listener import PreAuth
 from podgate.node.origin import RequestOrigins, host_name
 from podgate.node.server import RunningGateway, running_gateway
-from podgate.proto.upgrade import UpgradeRequest
+from podgate.proto.upgrade import ServerHandshake, UpgradeRequest
 from podgate.streaming.local import LocalTarget
 
 # Bound on one raw exchange with the gateway, seconds.
@@ -407,3 +407,56 @@ def test_audit_writes_do_not_block_the_event_loop(tmp_path: Path) -> None:
     audit.flush()
     assert len(path.read_text().splitlines()) == 100
     audit.close()
+
+
+# --- anonymous requests answered before the HTTP state machine -----------------------------
+
+
+async def read_reply(reader: asyncio.StreamReader) -> Reply:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+    return Reply(int(head.split(b" ", 2)[1]), await reader.readexactly(length))
+
+
+async def test_anonymous_requests_are_answered_without_the_http_parser(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pipelined plain anonymous requests never reach ServerHandshake; a request that needs
+    more (a body, credentials, a refused Host) does, with every byte after it, and gets the
+    answer it got before."""
+    fed: list[bytes] = []
+    original = ServerHandshake.receive_data
+
+    def counting(self: ServerHandshake, data: bytes) -> UpgradeRequest | None:
+        if data:
+            fed.append(data)
+        return original(self, data)
+
+    monkeypatch.setattr(ServerHandshake, "receive_data", counting)
+    source = DemoSource(LocalTarget(), [DemoPod("default", "demo")])
+    async with running_gateway(config(tmp_path), source) as gateway:
+        ctx = gateway.credentials.pki.client_ssl_context()
+        host = f"127.0.0.1:{gateway.port}"
+        anonymous = get("/api/v1/pods", host)
+        reader, writer = await asyncio.open_connection(
+            "127.0.0.1", gateway.port, ssl=ctx, server_hostname="127.0.0.1"
+        )
+        async with asyncio.timeout(EXCHANGE_TIMEOUT_SECONDS):
+            writer.write(anonymous * 300)
+            for _ in range(300):
+                reply = await read_reply(reader)
+                assert reply.status == 401
+                assert reply.status_object()["reason"] == "Unauthorized"
+            assert fed == []
+            # What follows goes the full way, in order, on the same connection.
+            with_body = b"POST /api/v1/pods HTTP/1.1\r\nHost: " + host.encode()
+            with_body += b"\r\nContent-Length: 2\r\n\r\n{}"
+            authed = get("/version", host, [f"Authorization: Bearer {admin_token(gateway)}"])
+            rebound = get("/api", f"evil.example:{gateway.port}")
+            tail = anonymous + with_body + anonymous + authed + anonymous + rebound
+            writer.write(tail)
+            statuses = [(await read_reply(reader)).status for _ in range(6)]
+            assert statuses == [401, 401, 401, 200, 401, 421]
+            assert b"".join(fed) == tail[len(anonymous) :]
+            assert await reader.read() == b""  # 421 closes
+        writer.close()

@@ -18,6 +18,7 @@ from test_cri_client import ECHO_PORT, NAMESPACE, RuntimeProcess, podgate_runtim
 from podgate.aio.errors import ForwardError, StreamResetError
 from podgate.aio.http import next_request
 from podgate.aio.memory import MemoryStream, memory_stream_pair
+from podgate.aio.spdy import MAX_STREAMS_PER_SESSION
 from podgate.aio.streams import ByteStream, SocketStream, start_server
 from podgate.cri import api_pb2 as pb
 from podgate.node.cri_client import CriClient
@@ -394,6 +395,60 @@ async def test_port_forward_shares_one_upstream_session(
     assert list(target.pooled_sessions) == [setup.pod.sandbox_id]
 
 
+async def hold_and_echo(target: CriTarget, pod: PodRef, count: int) -> None:
+    """`count` forwards opened at once and held open together, each echoing its own random
+    bytes (sha256-checked) before any is closed."""
+    streams = await asyncio.gather(*(target.open_port(pod, ECHO_PORT) for _ in range(count)))
+    try:
+        payloads = [os.urandom(64) for _ in streams]
+        for stream, payload in zip(streams, payloads, strict=True):
+            await stream.send(payload)
+
+        async def echoed(stream: ByteStream, size: int) -> bytes:
+            got = b""
+            while len(got) < size and (chunk := await stream.receive()):
+                got += chunk
+            return got
+
+        answers = await asyncio.gather(*(echoed(s, 64) for s in streams))
+        assert [hashlib.sha256(a).digest() for a in answers] == [
+            hashlib.sha256(p).digest() for p in payloads
+        ]
+    finally:
+        for stream in streams:
+            await stream.aclose()
+
+
+async def test_a_full_upstream_session_is_joined_by_another(
+    setup: Setup, client: CriClient
+) -> None:
+    """Forwards beyond what one upstream session carries go on further sessions to the pod."""
+    target = CriTarget(client, forwards_per_session=3)
+    calls = count_calls(client, "port_forward_url")
+    try:
+        async with asyncio.timeout(STEP_SECONDS):
+            await hold_and_echo(target, setup.pod, 7)
+        (sessions,) = target.pooled_sessions.values()
+        assert len(sessions) == len(calls) == 3
+    finally:
+        await target.aclose()
+
+
+async def test_more_forwards_than_the_runtime_allows_per_session(
+    setup: Setup, client: CriClient
+) -> None:
+    """The runtime refuses streams past its own cap (REFUSED_STREAM): the session counts as
+    full and the next forwards go on a new one, none of them failing."""
+    target = CriTarget(client, forwards_per_session=MAX_STREAMS_PER_SESSION)
+    try:
+        async with asyncio.timeout(4 * STEP_SECONDS):
+            await hold_and_echo(target, setup.pod, MAX_STREAMS_PER_SESSION // 2 + 40)
+        (sessions,) = target.pooled_sessions.values()
+        assert len(sessions) == 2
+    finally:
+        await target.aclose()
+
+
 async def test_port_forward_to_closed_port_relays_the_runtime_error(
     setup: Setup, client: CriClient, target: CriTarget
 ) -> None:
@@ -429,7 +484,7 @@ async def test_port_forward_reconnects_after_the_session_breaks(
         stream = await target.open_port(setup.pod, ECHO_PORT)
         await echo_check(stream, TRANSFER_CHUNK)
         await stream.aclose()
-        first = target.pooled_sessions[setup.pod.sandbox_id]
+        (first,) = target.pooled_sessions[setup.pod.sandbox_id]
         # The upstream connection goes away under the pool.
         await first.aclose()
         stream = await target.open_port(setup.pod, ECHO_PORT)
@@ -438,7 +493,8 @@ async def test_port_forward_reconnects_after_the_session_breaks(
         finally:
             await stream.aclose()
     assert len(calls) == 2
-    assert target.pooled_sessions[setup.pod.sandbox_id] is not first
+    (second,) = target.pooled_sessions[setup.pod.sandbox_id]
+    assert second is not first
 
 
 async def test_idle_port_forward_session_is_closed(setup: Setup, client: CriClient) -> None:
@@ -451,7 +507,7 @@ async def test_idle_port_forward_session_is_closed(setup: Setup, client: CriClie
             assert setup.pod.sandbox_id in target.pooled_sessions
             await echo_check(stream, TRANSFER_CHUNK)
             await stream.aclose()
-            session = target.pooled_sessions[setup.pod.sandbox_id]
+            (session,) = target.pooled_sessions[setup.pod.sandbox_id]
             await asyncio.sleep(0.5)
             assert target.pooled_sessions == {}
             assert session.session.broken is not None  # closed, not just forgotten

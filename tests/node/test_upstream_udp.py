@@ -116,7 +116,7 @@ async def test_a_podgate_runtime_carries_udp(echo: UdpEcho) -> None:
                 finally:
                     await stream.aclose()
             assert (tally.matched, tally.unmatched) == (1000, [])
-            (session,) = target.pooled_sessions.values()
+            ((session,),) = target.pooled_sessions.values()
             assert session.protocol == "udp.portforward.podgate.io"
         finally:
             await target.aclose()
@@ -132,7 +132,7 @@ async def test_a_runtime_without_the_extension_refuses_udp_only(echo: UdpEcho) -
                 assert (
                     str(info.value) == RUNTIME_NO_UDP == "runtime does not support UDP port-forward"
                 )
-                (session,) = target.pooled_sessions.values()
+                ((session,),) = target.pooled_sessions.values()
                 assert session.protocol == "portforward.k8s.io"
         finally:
             await target.aclose()

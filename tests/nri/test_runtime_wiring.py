@@ -112,6 +112,7 @@ async def test_container_update_events_in_upstream_order(wired: Any) -> None:
     journal.clear()  # Configure, Synchronize
     resources = api.LinuxResources(cpu=api.LinuxCPU(quota=api.OptionalInt64(value=5000)))
     await runtime_nri.pod_updating(make_pod(), None, resources)
+    await runtime_nri.pod_updated(make_pod())
     assert [method for _, method in journal] == ["UpdatePodSandbox", "PostUpdatePodSandbox"]
     journal.clear()
     container = make_container()

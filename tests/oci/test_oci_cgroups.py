@@ -47,6 +47,37 @@ def test_v2(tmp_path: Path) -> None:
     assert cgroups.oom_kills("/podgate/c1", str(tmp_path)) == 1
 
 
+def test_set_limits_v1_writes_each_controller(tmp_path: Path) -> None:
+    (tmp_path / "memory").mkdir()
+    (tmp_path / "cpu").mkdir()
+    limits = cgroups.Limits(memory=64 << 20, cpu_quota=30000, cpu_period=50000, cpu_shares=512)
+    cgroups.set_limits("/podgate/pod1", limits, str(tmp_path))
+    mem, cpu = tmp_path / "memory" / "podgate" / "pod1", tmp_path / "cpu" / "podgate" / "pod1"
+    assert (mem / "memory.limit_in_bytes").read_text() == str(64 << 20)
+    assert (cpu / "cpu.cfs_period_us").read_text() == "50000"
+    assert (cpu / "cpu.cfs_quota_us").read_text() == "30000"
+    assert (cpu / "cpu.shares").read_text() == "512"
+    # Unlimited again: -1 in v1; shares left as they are when none is given.
+    cgroups.set_limits("/podgate/pod1", cgroups.Limits(), str(tmp_path))
+    assert (mem / "memory.limit_in_bytes").read_text() == "-1"
+    assert (cpu / "cpu.cfs_quota_us").read_text() == "-1"
+    assert (cpu / "cpu.shares").read_text() == "512"
+
+
+def test_set_limits_v2_uses_the_unified_files(tmp_path: Path) -> None:
+    write(tmp_path / "cgroup.controllers", "cpu memory\n")
+    cgroups.set_limits("/podgate/pod1", cgroups.Limits(cpu_shares=1024), str(tmp_path))
+    base = tmp_path / "podgate" / "pod1"
+    assert (base / "memory.max").read_text() == "max"
+    assert (base / "cpu.max").read_text() == "max 100000"
+    assert (base / "cpu.weight").read_text() == "39"  # runc's conversion of 1024 shares
+    cgroups.set_limits(
+        "/podgate/pod1", cgroups.Limits(memory=1 << 30, cpu_quota=5000), str(tmp_path)
+    )
+    assert (base / "memory.max").read_text() == str(1 << 30)
+    assert (base / "cpu.max").read_text() == "5000 100000"
+
+
 def test_runc_error_is_its_own_message(tmp_path: Path) -> None:
     log = tmp_path / "runc.log"
     old = json.dumps({"level": "error", "msg": "old failure"}) + "\n"

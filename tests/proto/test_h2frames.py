@@ -95,3 +95,46 @@ def test_grpc_messages_need_all_their_bytes() -> None:
     assert h2.grpc_message(whole[:-1]) is None
     assert h2.grpc_message(whole) == (False, b"abc")
     assert h2.grpc_message(b"\x01" + whole[1:]) == (True, b"abc")
+
+
+@given(st.lists(st.integers(min_value=1, max_value=40), max_size=20))
+def test_split_hands_out_every_completed_byte_in_order(cuts: list[int]) -> None:
+    data = h2.PREFACE + frame_bytes()
+    splitter = h2.FrameSplitter(preface=True)
+    out, pos = b"", 0
+    for cut in [*cuts, len(data)]:
+        whole, frames = splitter.split(data[pos : pos + cut])
+        # The completed bytes are the frames' own (after the preface, once it is whole).
+        assert bytes(whole).endswith(b"".join(bytes(f.raw) for f in frames))
+        out += bytes(whole)
+        pos += cut
+        if pos >= len(data):
+            break
+    assert out == data
+
+
+def test_a_long_frame_arriving_in_pieces_comes_out_once() -> None:
+    frame = h2.encode_frame(h2.DATA, 0, 1, bytes(range(256)) * 64)
+    splitter = h2.FrameSplitter()
+    pieces = [frame[i : i + 1000] for i in range(0, len(frame), 1000)]
+    got = [splitter.split(piece) for piece in pieces]
+    assert [len(frames) for _, frames in got] == [0] * (len(pieces) - 1) + [1]
+    whole, (only,) = got[-1]
+    assert bytes(whole) == bytes(only.raw) == frame
+
+
+@pytest.mark.parametrize(
+    ("block", "expected"),
+    [
+        (b"\x82\x86\x84", True),  # static-table indices
+        (b"\xbe\xbf", True),  # dynamic-table indices
+        (b"\xff\x81\x01", True),  # an index continued over two more bytes (RFC 7541 §5.1)
+        (b"", True),
+        (b"\x82\x44\x03abc", False),  # a literal that enters the dynamic table
+        (b"\x82\x04\x03abc", False),  # a literal outside it
+        (b"\x3f\xe1\x1f", False),  # a dynamic table size update
+        (b"\x82\xff\x80", False),  # an index cut short
+    ],
+)
+def test_blocks_of_indexed_fields_alone_are_recognised(block: bytes, expected: bool) -> None:
+    assert h2.only_indexed(block) is expected

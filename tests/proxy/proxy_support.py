@@ -78,7 +78,10 @@ class Process:
 
 
 def start_process(
-    argv: list[str], log_path: Path, ready: re.Pattern[bytes]
+    argv: list[str],
+    log_path: Path,
+    ready: re.Pattern[bytes],
+    env: dict[str, str] | None = None,
 ) -> tuple[Process, re.Match[bytes]]:
     with log_path.open("ab") as log:
         offset = log.tell()
@@ -87,6 +90,7 @@ def start_process(
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
+            env=env,
         )
     process = Process(proc, log_path)
     deadline = time.monotonic() + READY_SECONDS

@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 from podgate.cri import api_pb2 as pb
 from podgate.cri import api_pb2_grpc as pb_grpc
 from podgate.images.store import ImageStore
+from podgate.linux.netdev import InterfaceCounters
 from podgate.model import (
     ContainerMetadata,
     ContainerRecord,
@@ -46,6 +47,7 @@ from podgate.runtime.api import (
     InvalidArgumentError,
     NotFoundError,
     PodConfig,
+    PodUsage,
     ResourceExhaustedError,
     RuntimeApi,
     RuntimeCondition,
@@ -53,6 +55,7 @@ from podgate.runtime.api import (
 from podgate.runtime.cri import convert
 from podgate.runtime.cri.errors import status_code
 from podgate.runtime.cri.service import serve_cri, stop_cri
+from podgate.runtime.events import ContainerEvent, ContainerEvents, ContainerEventType
 
 CREATED_BASE = 1_700_000_000_123_456_789  # arbitrary creation time, ns
 STREAM_BASE = "http://127.0.0.1:10010"
@@ -80,6 +83,8 @@ class FakeRuntime:
         self.next_additional_ips = ["fd00:10:88::7"]
         self.pod_cidr = ""
         self._count = 0
+        self.events = ContainerEvents()
+        self.usage = PodUsage(timestamp=CREATED_BASE)
 
     def _call(self, method: str, *args: Any) -> None:
         self.calls.append((method, args))
@@ -213,6 +218,10 @@ class FakeRuntime:
         self._call("port_forward_url", pod_id, list(ports))
         return f"{STREAM_BASE}/portforward/AbCdEf03"
 
+    async def pod_usage(self, pod: PodRecord) -> PodUsage:
+        self._call("pod_usage", pod.id)
+        return self.usage
+
     def conditions(self) -> list[RuntimeCondition]:
         self._call("conditions")
         return self.runtime_conditions
@@ -220,6 +229,13 @@ class FakeRuntime:
     def update_runtime_config(self, pod_cidr: str) -> None:
         self._call("update_runtime_config", pod_cidr)
         self.pod_cidr = pod_cidr
+
+    async def update_pod_resources(
+        self, pod_id: str, overhead: Mapping[str, object], resources: Mapping[str, object]
+    ) -> None:
+        self._call("update_pod_resources", pod_id, dict(overhead), dict(resources))
+        pod = self._lookup(self.pods, pod_id, "pod")
+        pod.overhead, pod.resources = dict(overhead), dict(resources)
 
     def called(self, method: str) -> list[tuple[Any, ...]]:
         return [args for name, args in self.calls if name == method]
@@ -382,7 +398,11 @@ def test_package_and_service_names_are_upstream() -> None:
         "PortForward",
         "ContainerStats",
         "ListContainerStats",
+        "PodSandboxStats",
+        "ListPodSandboxStats",
+        "GetContainerEvents",
         "RuntimeConfig",
+        "UpdatePodSandboxResources",
     }
     assert runtime.methods_by_name["Exec"].input_type.full_name == "runtime.v1.ExecRequest"
     assert {m.name for m in image.methods} == {
@@ -399,6 +419,18 @@ def test_exec_request_field_numbers() -> None:
     request = pb.ExecRequest(container_id="c", cmd=["sh"], tty=True, stdin=True, stdout=True)
     assert request.SerializeToString() == b"\x0a\x01c\x12\x02sh\x18\x01\x20\x01\x28\x01"
     assert pb.ExecRequest(stderr=True).SerializeToString() == b"\x30\x01"
+
+
+def test_update_pod_sandbox_resources_field_numbers() -> None:
+    # Upstream: pod_sandbox_id = 1, overhead = 2, resources = 3 (LinuxContainerResources, whose
+    # cpu_shares is 3 and memory_limit_in_bytes 4); the response is empty.
+    request = pb.UpdatePodSandboxResourcesRequest(
+        pod_sandbox_id="p",
+        overhead=pb.LinuxContainerResources(cpu_shares=2),
+        resources=pb.LinuxContainerResources(memory_limit_in_bytes=1),
+    )
+    assert request.SerializeToString() == b"\x0a\x01p\x12\x02\x18\x02\x1a\x02\x20\x01"
+    assert pb.UpdatePodSandboxResourcesResponse().SerializeToString() == b""
 
 
 def test_attach_request_numbers_differ_from_exec() -> None:
@@ -594,6 +626,34 @@ async def test_remove_pod_sandbox_then_status_is_not_found(cri: Cri) -> None:
     assert pod_id in details
 
 
+async def test_update_pod_sandbox_resources_passes_both_sets(cri: Cri) -> None:
+    pod_id = await run_pod(cri)
+    await cri.rt.UpdatePodSandboxResources(
+        pb.UpdatePodSandboxResourcesRequest(
+            pod_sandbox_id=pod_id[:6],
+            overhead=pb.LinuxContainerResources(cpu_shares=10, memory_limit_in_bytes=1 << 20),
+            resources=pb.LinuxContainerResources(
+                cpu_period=100000, cpu_quota=50000, memory_limit_in_bytes=64 << 20
+            ),
+        )
+    )
+    assert cri.runtime.called("update_pod_resources") == [
+        (
+            pod_id[:6],
+            {"cpu_shares": 10, "memory_limit_in_bytes": 1 << 20},
+            {"cpu_period": 100000, "cpu_quota": 50000, "memory_limit_in_bytes": 64 << 20},
+        )
+    ]
+
+
+async def test_update_pod_sandbox_resources_needs_a_pod_id(cri: Cri) -> None:
+    await expect_status(
+        cri.rt.UpdatePodSandboxResources(pb.UpdatePodSandboxResourcesRequest()),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    )
+    assert cri.runtime.called("update_pod_resources") == []
+
+
 async def test_list_pod_sandbox_items(cri: Cri) -> None:
     pod_id = await run_pod(cri)
     response = await cri.rt.ListPodSandbox(pb.ListPodSandboxRequest())
@@ -637,6 +697,89 @@ async def test_list_pod_sandbox_filters(cri: Cri) -> None:
     assert await ids(pb.PodSandboxFilter(label_selector={"app": "web"}, state=ready)) == [web0]
     assert await ids(pb.PodSandboxFilter(label_selector={"app": "cache"})) == []
     assert await ids(pb.PodSandboxFilter(id=web0, state=notready)) == []
+
+
+def test_stats_and_event_field_numbers() -> None:
+    # Upstream runtime.v1: PodSandboxStatsFilter id 1, label_selector 2; NetworkUsage
+    # default_interface 2; LinuxPodSandboxStats process 4; ContainerEventResponse
+    # container_id 1, container_event_type 2, created_at 3; CONTAINER_STOPPED_EVENT = 2.
+    flt = pb.PodSandboxStatsFilter(id="p", label_selector={"a": "b"})
+    assert flt.SerializeToString() == bytes.fromhex("0a0170 1206 0a0161 120162")
+    network = pb.NetworkUsage(default_interface=pb.NetworkInterfaceUsage(name="e"))
+    assert network.SerializeToString() == bytes.fromhex("1203 0a0165")
+    linux = pb.LinuxPodSandboxStats(process=pb.ProcessUsage(timestamp=1))
+    assert linux.SerializeToString() == bytes.fromhex("22020801")
+    event = pb.ContainerEventResponse(
+        container_id="c", container_event_type=pb.CONTAINER_STOPPED_EVENT, created_at=5
+    )
+    assert event.SerializeToString() == bytes.fromhex("0a0163 1002 1805")
+
+
+async def test_pod_sandbox_stats_convert_and_filter(cri: Cri) -> None:
+    web = await run_pod(cri, "web-0", labels={"app": "web"})
+    db = await run_pod(cri, "db-0", labels={"app": "db"})
+    gone = await run_pod(cri, "old-0", labels={"app": "web"})
+    await cri.rt.StopPodSandbox(pb.StopPodSandboxRequest(pod_sandbox_id=gone))
+    cri.runtime.usage = PodUsage(
+        timestamp=CREATED_BASE,
+        cpu_usage_ns=7,
+        memory_working_set=11,
+        processes=3,
+        default_interface=InterfaceCounters("eth0", 1, 2, 3, 4),
+        interfaces=[InterfaceCounters("lo", 5, 0, 5, 0)],
+    )
+    stats = (await cri.rt.PodSandboxStats(pb.PodSandboxStatsRequest(pod_sandbox_id=web))).stats
+    assert stats.attributes.id == web and stats.attributes.metadata.name == "web-0"
+    assert dict(stats.attributes.labels) == {"app": "web"}
+    linux = stats.linux
+    assert (linux.cpu.timestamp, linux.cpu.usage_core_nano_seconds.value) == (CREATED_BASE, 7)
+    assert not linux.cpu.HasField("usage_nano_cores")  # unknown is absent, not zero
+    assert linux.memory.working_set_bytes.value == 11
+    assert linux.process.process_count.value == 3
+    eth0 = linux.network.default_interface
+    assert (eth0.name, eth0.rx_bytes.value, eth0.rx_errors.value) == ("eth0", 1, 2)
+    assert (eth0.tx_bytes.value, eth0.tx_errors.value) == (3, 4)
+    assert [i.name for i in linux.network.interfaces] == ["lo"]
+
+    async def ids(flt: pb.PodSandboxStatsFilter) -> list[str]:
+        response = await cri.rt.ListPodSandboxStats(pb.ListPodSandboxStatsRequest(filter=flt))
+        return sorted(s.attributes.id for s in response.stats)
+
+    assert await ids(pb.PodSandboxStatsFilter()) == sorted([web, db])  # ready pods only
+    assert await ids(pb.PodSandboxStatsFilter(id=db[:7])) == [db]
+    assert await ids(pb.PodSandboxStatsFilter(label_selector={"app": "web"})) == [web]
+    assert await ids(pb.PodSandboxStatsFilter(id="nope")) == []
+    await expect_status(
+        cri.rt.PodSandboxStats(pb.PodSandboxStatsRequest()), grpc.StatusCode.INVALID_ARGUMENT
+    )
+
+
+async def test_container_events_stream_until_the_hub_closes(cri: Cri) -> None:
+    pod_id = await run_pod(cri)
+    container_id = await create_container(cri, pod_id)
+    pod = cri.runtime.pods[pod_id]
+    container = cri.runtime.containers[container_id]
+    call = cri.rt.GetContainerEvents(pb.GetEventsRequest())
+    await call.initial_metadata()  # subscribed
+    for n, kind in enumerate((ContainerEventType.CREATED, ContainerEventType.DELETED)):
+        cri.runtime.events.publish(
+            ContainerEvent(container_id, kind, CREATED_BASE + n, pod, (container,))
+        )
+    first = await call.read()
+    second = await call.read()
+    assert isinstance(first, pb.ContainerEventResponse)
+    assert isinstance(second, pb.ContainerEventResponse)
+    assert (first.container_id, first.container_event_type) == (
+        container_id,
+        pb.CONTAINER_CREATED_EVENT,
+    )
+    assert first.created_at == CREATED_BASE
+    assert first.pod_sandbox_status.id == pod_id
+    assert [s.id for s in first.containers_statuses] == [container_id]
+    assert second.container_event_type == pb.CONTAINER_DELETED_EVENT
+    await cri.runtime.events.aclose()  # what the daemon does before stopping the server
+    assert await call.read() is grpc.aio.EOF
+    assert await call.code() == grpc.StatusCode.OK
 
 
 # ----------------------------------------------------------------------------- containers
@@ -1100,13 +1243,28 @@ async def test_image_fs_info_reports_the_image_store(cri: Cri) -> None:
 # ----------------------------------------------------------------------------- socket
 
 
-async def test_unserved_methods_are_unimplemented(cri: Cri) -> None:
-    stats = cri.channel.unary_unary(
-        "/runtime.v1.RuntimeService/PodSandboxStats",
-        request_serializer=lambda b: b,
-        response_deserializer=lambda b: b,
-    )
-    await expect_status(stats(b""), grpc.StatusCode.UNIMPLEMENTED)
+async def test_unserved_methods_are_unimplemented_and_logged_once(
+    cri: Cri, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="podgate.runtime.cri.errors")
+    names = ("CheckpointContainer", "ListMetricDescriptors")
+    for name in (*names, *names, *names):
+        call = cri.channel.unary_unary(
+            f"/runtime.v1.RuntimeService/{name}",
+            request_serializer=lambda b: b,
+            response_deserializer=lambda b: b,
+        )
+        details = await expect_status(call(b""), grpc.StatusCode.UNIMPLEMENTED)
+        assert name in details
+    pull = pb.PullImageRequest(image=pb.ImageSpec(image="busybox:1.36"))
+    for _ in range(2):
+        await expect_status(cri.img.PullImage(pull), grpc.StatusCode.UNIMPLEMENTED)
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    for name in names:
+        [line] = [m for m in warned if f"/runtime.v1.RuntimeService/{name}" in m]
+        assert "not served by podgate" in line
+    [pull_line] = [m for m in warned if "PullImage" in m]
+    assert "no registry client" in pull_line
 
 
 async def test_socket_is_private_and_removed_on_stop(short_dir: str) -> None:

@@ -37,6 +37,7 @@ from podgate.aio.streams import (
 )
 from podgate.proto.errors import ProtocolError
 from podgate.proto.spdy import (
+    MAX_CONCURRENT_STREAMS,
     GoAwayStatus,
     Role,
     RstStatus,
@@ -91,9 +92,10 @@ CONTROL_FRAME_BURST = 2000
 # a 256 KiB read of nothing but PINGs would otherwise cost 21,845 parsed frames per flood.
 PARSE_SLICE_BYTES = 16 * 1024
 CONTROL_FRAMES_PER_SECOND = 500.0
-# Streams one session may have open at once (a kubectl port-forward uses two per connection,
-# so 256 concurrent connections): more are refused with RST_STREAM(REFUSED_STREAM), so one
-# session cannot hold unbounded upstream pairs.
+# Streams one session may have open at once by default (a kubectl port-forward uses two per
+# connection, so 256 concurrent connections): more are refused with RST_STREAM(REFUSED_STREAM),
+# so one session cannot hold unbounded upstream pairs. A server that knows its client may
+# allow more (the gateway's configured forwards per session).
 MAX_STREAMS_PER_SESSION = 512
 _CONTROL_EVENTS = (PingReceived, SettingsReceived, WindowUpdateReceived, StreamReset)
 
@@ -363,15 +365,23 @@ class SpdySession:
         flow_control_window: int | None = None,
         stalled_reset_seconds: float = STALLED_STREAM_RESET_SECONDS,
         name: str = "spdy",
+        max_streams: int = MAX_STREAMS_PER_SESSION,
     ) -> None:
         """`flow_control_window`: per-stream flow control with this window each way, for a
         peer known to do the same (see the module docstring); None for every Kubernetes peer.
-        `stalled_reset_seconds`: see STALLED_STREAM_RESET_SECONDS."""
+        `stalled_reset_seconds`: see STALLED_STREAM_RESET_SECONDS.
+        `max_streams`: streams open at once before the peer's next one is refused."""
+        if max_streams < 1:
+            raise ValueError("max_streams must be positive")
         self.stalled_reset_seconds = stalled_reset_seconds
         self._wire = wire
         self._core = SpdyConnection(
-            role, max_data_frame=data_frame_bytes, flow_control_window=flow_control_window
+            role,
+            max_data_frame=data_frame_bytes,
+            flow_control_window=flow_control_window,
+            max_concurrent_streams=max(max_streams, MAX_CONCURRENT_STREAMS),
         )
+        self._max_streams = max_streams
         # Consumed bytes that trigger a WINDOW_UPDATE; 0 when flow control is off.
         self._update_threshold = (
             max(1, flow_control_window // WINDOW_UPDATE_DIVISOR) if flow_control_window else 0
@@ -542,7 +552,7 @@ class SpdySession:
                 await stream._feed(event.data, event.fin)
         elif isinstance(event, StreamOpened):
             stream = SpdyStream(self, event.stream_id, event.headers)
-            if len(self._streams) >= MAX_STREAMS_PER_SESSION:
+            if len(self._streams) >= self._max_streams:
                 log.warning("%s: refusing stream %d: too many open", self.name, event.stream_id)
                 self._streams[event.stream_id] = stream
                 stream.reset(RstStatus.REFUSED_STREAM)

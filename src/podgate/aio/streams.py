@@ -124,6 +124,8 @@ class _StreamProtocol(asyncio.Protocol):
         # Several writers (the streams of one SPDY session) may wait on one transport at once.
         self._drain_waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self._writing_paused = False
+        # SocketStream.set_consumer's consumer: bytes go to it before the queue.
+        self.consumer: Callable[[bytes], bool] | None = None
         # Closed by our side: waiting readers and writers end with ClosedStreamError.
         self.local_closed = False
         self.closed = asyncio.get_running_loop().create_future()
@@ -135,6 +137,8 @@ class _StreamProtocol(asyncio.Protocol):
         self.transport.set_write_buffer_limits(SEND_HIGH_WATER, SEND_LOW_WATER)
 
     def data_received(self, data: bytes) -> None:
+        if self.consumer is not None and not self._chunks and self.consumer(data):
+            return
         self._chunks.append(data)
         self._buffered += len(data)
         if self._buffered > RECEIVE_HIGH_WATER and not self._reading_paused:
@@ -390,6 +394,18 @@ class SocketStream(ByteStream):
 
     def unread(self, data: bytes) -> None:
         self._protocol.unread(data)
+
+    def set_consumer(self, consumer: Callable[[bytes], bool] | None) -> None:
+        """Offer arriving bytes to `consumer`, from the event loop's callback, whenever none
+        wait to be received; it returns False to leave them to receive() after all. For a
+        relay whose usual step needs no waiting: handing bytes to a task that receive()s them
+        costs a wake-up of that task for each read, more than such a step itself."""
+        self._protocol.consumer = consumer
+
+    @property
+    def writing_paused(self) -> bool:
+        """The transport holds more than its high-water mark: writers should drain first."""
+        return self._protocol._writing_paused
 
     # -- details
     def set_nodelay(self) -> None:

@@ -13,7 +13,7 @@ from podgate.cli.errors import listen_failure
 from podgate.cli.logs import setup_logging
 from podgate.node.audit import DEFAULT_AUDIT_KEEP, DEFAULT_AUDIT_MAX_BYTES
 from podgate.node.cri_client import CriClient, CriPodSource
-from podgate.node.gateway import GatewayConfig, Limits
+from podgate.node.gateway import DEFAULT_MAX_FORWARDS_PER_SESSION, GatewayConfig, Limits
 from podgate.node.listener import DEFAULT_AUTH_TIMEOUT_SECONDS, DEFAULT_MAX_UNAUTHENTICATED
 from podgate.node.server import InsecureListenError, running_gateway
 from podgate.node.upstream import CriTarget
@@ -61,6 +61,14 @@ def gateway_options(f: click.decorators.FC) -> click.decorators.FC:
             ),
             click.option("--max-streams-per-user", default=64, show_default=True),
             click.option("--max-streams-per-pod", default=128, show_default=True),
+            click.option(
+                "--max-forwards-per-session",
+                default=DEFAULT_MAX_FORWARDS_PER_SESSION,
+                show_default=True,
+                type=click.IntRange(min=1),
+                help="Connections one port-forward session may carry at once (the gateway "
+                "opens as many runtime sessions as they need).",
+            ),
             click.option(
                 "--stream-idle-timeout",
                 default=4 * 3600.0,
@@ -142,6 +150,7 @@ def make_config(
     max_streams_per_user: int,
     max_streams_per_pod: int,
     stream_idle_timeout: float,
+    max_forwards_per_session: int = DEFAULT_MAX_FORWARDS_PER_SESSION,
     plain_http: bool,
     tls_cert: str = "",
     tls_key: str = "",
@@ -162,7 +171,12 @@ def make_config(
         policy_file=policy_file,
         audit_log=audit_log,
         metrics_port=metrics_port,
-        limits=Limits(max_streams_per_user, max_streams_per_pod, max_bytes_per_sec),
+        limits=Limits(
+            max_streams_per_user,
+            max_streams_per_pod,
+            max_bytes_per_sec,
+            max_forwards_per_session=max_forwards_per_session,
+        ),
         plain_http=plain_http,
         idle_timeout=stream_idle_timeout,
         tls_cert=tls_cert,

@@ -18,7 +18,7 @@ from podgate.cli.nri import nri_config, nri_options
 from podgate.demo.sample_images import SampleImageError, ensure_sample_images
 from podgate.demo.samples import ensure_example, load_example
 from podgate.node.cri_client import CriClient, CriPodSource
-from podgate.node.gateway import GatewayConfig
+from podgate.node.gateway import DEFAULT_MAX_FORWARDS_PER_SESSION, GatewayConfig, Limits
 from podgate.node.server import running_gateway
 from podgate.node.upstream import CriTarget
 from podgate.runtime.api import NotFoundError
@@ -55,6 +55,13 @@ def default_examples() -> str:
     help="Directory of sample pods (*.json) to run; empty for none.",
 )
 @click.option("--keep-pods", is_flag=True, help="Leave the sample pods running on exit.")
+@click.option(
+    "--max-forwards-per-session",
+    default=DEFAULT_MAX_FORWARDS_PER_SESSION,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Connections one port-forward session may carry at once.",
+)
 @nri_options
 @click.option(
     "--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True
@@ -66,6 +73,7 @@ def up(
     plain_http: bool,
     examples: str,
     keep_pods: bool,
+    max_forwards_per_session: int,
     log_format: str,
     verbose: bool,
     **nri: Any,
@@ -93,7 +101,8 @@ def up(
         nri_network=nri["network"] == "nri",
     )
     try:
-        run(_up(config, port, plain_http, samples, keep_pods))
+        limits = Limits(max_forwards_per_session=max_forwards_per_session)
+        run(_up(config, port, plain_http, samples, keep_pods, limits))
     except OSError as exc:
         failure = listen_failure(exc, "127.0.0.1", port)
         if failure is None:
@@ -107,6 +116,7 @@ async def _up(
     plain_http: bool,
     samples: list[dict[str, object]],
     keep: bool,
+    limits: Limits,
 ) -> None:
     state_dir = config.state_dir
     pod_ids: list[str] = []
@@ -116,7 +126,11 @@ async def _up(
         source = CriPodSource(client, target, node=os.uname().nodename)
         node_dir = str(Path(state_dir) / "node")
         gateway_config = GatewayConfig(
-            state_dir=node_dir, cri_socket=running.cri_socket, port=port, plain_http=plain_http
+            state_dir=node_dir,
+            cri_socket=running.cri_socket,
+            port=port,
+            plain_http=plain_http,
+            limits=limits,
         )
         try:
             # The gateway binds first: a busy port fails before any pod starts.

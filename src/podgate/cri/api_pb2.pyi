@@ -4,9 +4,12 @@ isort:skip_file
 The subset of the Kubernetes CRI v1 API (k8s.io/cri-api pkg/apis/runtime/v1/api.proto) that
 podgate serves. Package, service, method and message names and every field number are the
 upstream ones, so kubelet and crictl talk to podgate unchanged. Methods left out answer
-UNIMPLEMENTED; fields left out (Windows-only ones, stats) are skipped as unknown fields.
+UNIMPLEMENTED; fields left out are skipped as unknown fields. Left out: the Windows-only
+messages and fields (WindowsPodSandboxStats, WindowsContainerStats, Windows*Usage, ...), the
+PSI and IO stats (PsiStats, IoUsage; cgroup v1 has no PSI), CheckpointContainer, the
+Stream* list methods and the pod sandbox metrics methods.
 
-Regenerate the Python modules with `python -m podgate.runtime.cri.generate`.
+Regenerate the Python modules with `python -m podgate.codegen`.
 """
 
 from collections import abc as _abc
@@ -274,6 +277,25 @@ CONTAINER_RUNNING: ContainerState.ValueType  # 1
 CONTAINER_EXITED: ContainerState.ValueType  # 2
 CONTAINER_UNKNOWN: ContainerState.ValueType  # 3
 Global___ContainerState: _TypeAlias = ContainerState  # noqa: Y015
+
+class _ContainerEventType:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ContainerEventTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ContainerEventType.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    CONTAINER_CREATED_EVENT: _ContainerEventType.ValueType  # 0
+    CONTAINER_STARTED_EVENT: _ContainerEventType.ValueType  # 1
+    CONTAINER_STOPPED_EVENT: _ContainerEventType.ValueType  # 2
+    CONTAINER_DELETED_EVENT: _ContainerEventType.ValueType  # 3
+
+class ContainerEventType(_ContainerEventType, metaclass=_ContainerEventTypeEnumTypeWrapper): ...
+
+CONTAINER_CREATED_EVENT: ContainerEventType.ValueType  # 0
+CONTAINER_STARTED_EVENT: ContainerEventType.ValueType  # 1
+CONTAINER_STOPPED_EVENT: ContainerEventType.ValueType  # 2
+CONTAINER_DELETED_EVENT: ContainerEventType.ValueType  # 3
+Global___ContainerEventType: _TypeAlias = ContainerEventType  # noqa: Y015
 
 class _CgroupDriver:
     ValueType = _typing.NewType("ValueType", _builtins.int)
@@ -3820,6 +3842,404 @@ class SwapUsage(_message.Message):
 Global___SwapUsage: _TypeAlias = SwapUsage  # noqa: Y015
 
 @_typing.final
+class PodSandboxStatsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POD_SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    pod_sandbox_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        pod_sandbox_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pod_sandbox_id", b"pod_sandbox_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PodSandboxStatsRequest: _TypeAlias = PodSandboxStatsRequest  # noqa: Y015
+
+@_typing.final
+class PodSandboxStatsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STATS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def stats(self) -> Global___PodSandboxStats: ...
+    def __init__(
+        self,
+        *,
+        stats: Global___PodSandboxStats | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["stats", b"stats"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["stats", b"stats"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PodSandboxStatsResponse: _TypeAlias = PodSandboxStatsResponse  # noqa: Y015
+
+@_typing.final
+class PodSandboxStatsFilter(_message.Message):
+    """Fields are ANDed; label_selector is MatchLabels only."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class LabelSelectorEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    ID_FIELD_NUMBER: _builtins.int
+    LABEL_SELECTOR_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    @_builtins.property
+    def label_selector(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        label_selector: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "label_selector", b"label_selector"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PodSandboxStatsFilter: _TypeAlias = PodSandboxStatsFilter  # noqa: Y015
+
+@_typing.final
+class ListPodSandboxStatsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FILTER_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def filter(self) -> Global___PodSandboxStatsFilter: ...
+    def __init__(
+        self,
+        *,
+        filter: Global___PodSandboxStatsFilter | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["filter", b"filter"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["filter", b"filter"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListPodSandboxStatsRequest: _TypeAlias = ListPodSandboxStatsRequest  # noqa: Y015
+
+@_typing.final
+class ListPodSandboxStatsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STATS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def stats(self) -> _containers.RepeatedCompositeFieldContainer[Global___PodSandboxStats]: ...
+    def __init__(
+        self,
+        *,
+        stats: _abc.Iterable[Global___PodSandboxStats] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["stats", b"stats"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListPodSandboxStatsResponse: _TypeAlias = ListPodSandboxStatsResponse  # noqa: Y015
+
+@_typing.final
+class PodSandboxAttributes(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class LabelsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class AnnotationsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    ID_FIELD_NUMBER: _builtins.int
+    METADATA_FIELD_NUMBER: _builtins.int
+    LABELS_FIELD_NUMBER: _builtins.int
+    ANNOTATIONS_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    @_builtins.property
+    def metadata(self) -> Global___PodSandboxMetadata: ...
+    @_builtins.property
+    def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    @_builtins.property
+    def annotations(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        metadata: Global___PodSandboxMetadata | None = ...,
+        labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        annotations: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["metadata", b"metadata"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["annotations", b"annotations", "id", b"id", "labels", b"labels", "metadata", b"metadata"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PodSandboxAttributes: _TypeAlias = PodSandboxAttributes  # noqa: Y015
+
+@_typing.final
+class PodSandboxStats(_message.Message):
+    """Upstream field 3 (WindowsPodSandboxStats windows) is left out."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ATTRIBUTES_FIELD_NUMBER: _builtins.int
+    LINUX_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def attributes(self) -> Global___PodSandboxAttributes: ...
+    @_builtins.property
+    def linux(self) -> Global___LinuxPodSandboxStats: ...
+    def __init__(
+        self,
+        *,
+        attributes: Global___PodSandboxAttributes | None = ...,
+        linux: Global___LinuxPodSandboxStats | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["attributes", b"attributes", "linux", b"linux"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attributes", b"attributes", "linux", b"linux"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PodSandboxStats: _TypeAlias = PodSandboxStats  # noqa: Y015
+
+@_typing.final
+class LinuxPodSandboxStats(_message.Message):
+    """Upstream field 6 (IoUsage io) is left out."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CPU_FIELD_NUMBER: _builtins.int
+    MEMORY_FIELD_NUMBER: _builtins.int
+    NETWORK_FIELD_NUMBER: _builtins.int
+    PROCESS_FIELD_NUMBER: _builtins.int
+    CONTAINERS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def cpu(self) -> Global___CpuUsage: ...
+    @_builtins.property
+    def memory(self) -> Global___MemoryUsage: ...
+    @_builtins.property
+    def network(self) -> Global___NetworkUsage: ...
+    @_builtins.property
+    def process(self) -> Global___ProcessUsage: ...
+    @_builtins.property
+    def containers(self) -> _containers.RepeatedCompositeFieldContainer[Global___ContainerStats]: ...
+    def __init__(
+        self,
+        *,
+        cpu: Global___CpuUsage | None = ...,
+        memory: Global___MemoryUsage | None = ...,
+        network: Global___NetworkUsage | None = ...,
+        process: Global___ProcessUsage | None = ...,
+        containers: _abc.Iterable[Global___ContainerStats] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cpu", b"cpu", "memory", b"memory", "network", b"network", "process", b"process"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["containers", b"containers", "cpu", b"cpu", "memory", b"memory", "network", b"network", "process", b"process"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LinuxPodSandboxStats: _TypeAlias = LinuxPodSandboxStats  # noqa: Y015
+
+@_typing.final
+class NetworkUsage(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TIMESTAMP_FIELD_NUMBER: _builtins.int
+    DEFAULT_INTERFACE_FIELD_NUMBER: _builtins.int
+    INTERFACES_FIELD_NUMBER: _builtins.int
+    timestamp: _builtins.int
+    """Nanoseconds since the epoch; must be > 0."""
+    @_builtins.property
+    def default_interface(self) -> Global___NetworkInterfaceUsage: ...
+    @_builtins.property
+    def interfaces(self) -> _containers.RepeatedCompositeFieldContainer[Global___NetworkInterfaceUsage]:
+        """Every other interface, the default one excluded."""
+
+    def __init__(
+        self,
+        *,
+        timestamp: _builtins.int = ...,
+        default_interface: Global___NetworkInterfaceUsage | None = ...,
+        interfaces: _abc.Iterable[Global___NetworkInterfaceUsage] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["default_interface", b"default_interface"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["default_interface", b"default_interface", "interfaces", b"interfaces", "timestamp", b"timestamp"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NetworkUsage: _TypeAlias = NetworkUsage  # noqa: Y015
+
+@_typing.final
+class NetworkInterfaceUsage(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    RX_BYTES_FIELD_NUMBER: _builtins.int
+    RX_ERRORS_FIELD_NUMBER: _builtins.int
+    TX_BYTES_FIELD_NUMBER: _builtins.int
+    TX_ERRORS_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    @_builtins.property
+    def rx_bytes(self) -> Global___UInt64Value: ...
+    @_builtins.property
+    def rx_errors(self) -> Global___UInt64Value: ...
+    @_builtins.property
+    def tx_bytes(self) -> Global___UInt64Value: ...
+    @_builtins.property
+    def tx_errors(self) -> Global___UInt64Value: ...
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        rx_bytes: Global___UInt64Value | None = ...,
+        rx_errors: Global___UInt64Value | None = ...,
+        tx_bytes: Global___UInt64Value | None = ...,
+        tx_errors: Global___UInt64Value | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["rx_bytes", b"rx_bytes", "rx_errors", b"rx_errors", "tx_bytes", b"tx_bytes", "tx_errors", b"tx_errors"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "rx_bytes", b"rx_bytes", "rx_errors", b"rx_errors", "tx_bytes", b"tx_bytes", "tx_errors", b"tx_errors"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NetworkInterfaceUsage: _TypeAlias = NetworkInterfaceUsage  # noqa: Y015
+
+@_typing.final
+class ProcessUsage(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TIMESTAMP_FIELD_NUMBER: _builtins.int
+    PROCESS_COUNT_FIELD_NUMBER: _builtins.int
+    timestamp: _builtins.int
+    @_builtins.property
+    def process_count(self) -> Global___UInt64Value: ...
+    def __init__(
+        self,
+        *,
+        timestamp: _builtins.int = ...,
+        process_count: Global___UInt64Value | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["process_count", b"process_count"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["process_count", b"process_count", "timestamp", b"timestamp"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ProcessUsage: _TypeAlias = ProcessUsage  # noqa: Y015
+
+@_typing.final
+class GetEventsRequest(_message.Message):
+    """---------------------------------------------------------------- container events"""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetEventsRequest: _TypeAlias = GetEventsRequest  # noqa: Y015
+
+@_typing.final
+class ContainerEventResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CONTAINER_ID_FIELD_NUMBER: _builtins.int
+    CONTAINER_EVENT_TYPE_FIELD_NUMBER: _builtins.int
+    CREATED_AT_FIELD_NUMBER: _builtins.int
+    POD_SANDBOX_STATUS_FIELD_NUMBER: _builtins.int
+    CONTAINERS_STATUSES_FIELD_NUMBER: _builtins.int
+    container_id: _builtins.str
+    container_event_type: Global___ContainerEventType.ValueType
+    created_at: _builtins.int
+    """Nanoseconds since the epoch."""
+    @_builtins.property
+    def pod_sandbox_status(self) -> Global___PodSandboxStatus: ...
+    @_builtins.property
+    def containers_statuses(self) -> _containers.RepeatedCompositeFieldContainer[Global___ContainerStatus]: ...
+    def __init__(
+        self,
+        *,
+        container_id: _builtins.str = ...,
+        container_event_type: Global___ContainerEventType.ValueType = ...,
+        created_at: _builtins.int = ...,
+        pod_sandbox_status: Global___PodSandboxStatus | None = ...,
+        containers_statuses: _abc.Iterable[Global___ContainerStatus] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["pod_sandbox_status", b"pod_sandbox_status"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["container_event_type", b"container_event_type", "container_id", b"container_id", "containers_statuses", b"containers_statuses", "created_at", b"created_at", "pod_sandbox_status", b"pod_sandbox_status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ContainerEventResponse: _TypeAlias = ContainerEventResponse  # noqa: Y015
+
+@_typing.final
 class RuntimeConfigRequest(_message.Message):
     """---------------------------------------------------------------- runtime config"""
 
@@ -3874,3 +4294,47 @@ class LinuxRuntimeConfiguration(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___LinuxRuntimeConfiguration: _TypeAlias = LinuxRuntimeConfiguration  # noqa: Y015
+
+@_typing.final
+class UpdatePodSandboxResourcesRequest(_message.Message):
+    """---------------------------------------------------------------- pod-level resources"""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POD_SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    OVERHEAD_FIELD_NUMBER: _builtins.int
+    RESOURCES_FIELD_NUMBER: _builtins.int
+    pod_sandbox_id: _builtins.str
+    @_builtins.property
+    def overhead(self) -> Global___LinuxContainerResources: ...
+    @_builtins.property
+    def resources(self) -> Global___LinuxContainerResources: ...
+    def __init__(
+        self,
+        *,
+        pod_sandbox_id: _builtins.str = ...,
+        overhead: Global___LinuxContainerResources | None = ...,
+        resources: Global___LinuxContainerResources | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["overhead", b"overhead", "resources", b"resources"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["overhead", b"overhead", "pod_sandbox_id", b"pod_sandbox_id", "resources", b"resources"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UpdatePodSandboxResourcesRequest: _TypeAlias = UpdatePodSandboxResourcesRequest  # noqa: Y015
+
+@_typing.final
+class UpdatePodSandboxResourcesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UpdatePodSandboxResourcesResponse: _TypeAlias = UpdatePodSandboxResourcesResponse  # noqa: Y015

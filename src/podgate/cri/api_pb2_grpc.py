@@ -135,6 +135,16 @@ class RuntimeServiceStub:
                 request_serializer=podgate_dot_cri_dot_api__pb2.ListContainerStatsRequest.SerializeToString,
                 response_deserializer=podgate_dot_cri_dot_api__pb2.ListContainerStatsResponse.FromString,
                 _registered_method=True)
+        self.PodSandboxStats = channel.unary_unary(
+                '/runtime.v1.RuntimeService/PodSandboxStats',
+                request_serializer=podgate_dot_cri_dot_api__pb2.PodSandboxStatsRequest.SerializeToString,
+                response_deserializer=podgate_dot_cri_dot_api__pb2.PodSandboxStatsResponse.FromString,
+                _registered_method=True)
+        self.ListPodSandboxStats = channel.unary_unary(
+                '/runtime.v1.RuntimeService/ListPodSandboxStats',
+                request_serializer=podgate_dot_cri_dot_api__pb2.ListPodSandboxStatsRequest.SerializeToString,
+                response_deserializer=podgate_dot_cri_dot_api__pb2.ListPodSandboxStatsResponse.FromString,
+                _registered_method=True)
         self.UpdateRuntimeConfig = channel.unary_unary(
                 '/runtime.v1.RuntimeService/UpdateRuntimeConfig',
                 request_serializer=podgate_dot_cri_dot_api__pb2.UpdateRuntimeConfigRequest.SerializeToString,
@@ -145,10 +155,20 @@ class RuntimeServiceStub:
                 request_serializer=podgate_dot_cri_dot_api__pb2.StatusRequest.SerializeToString,
                 response_deserializer=podgate_dot_cri_dot_api__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.GetContainerEvents = channel.unary_stream(
+                '/runtime.v1.RuntimeService/GetContainerEvents',
+                request_serializer=podgate_dot_cri_dot_api__pb2.GetEventsRequest.SerializeToString,
+                response_deserializer=podgate_dot_cri_dot_api__pb2.ContainerEventResponse.FromString,
+                _registered_method=True)
         self.RuntimeConfig = channel.unary_unary(
                 '/runtime.v1.RuntimeService/RuntimeConfig',
                 request_serializer=podgate_dot_cri_dot_api__pb2.RuntimeConfigRequest.SerializeToString,
                 response_deserializer=podgate_dot_cri_dot_api__pb2.RuntimeConfigResponse.FromString,
+                _registered_method=True)
+        self.UpdatePodSandboxResources = channel.unary_unary(
+                '/runtime.v1.RuntimeService/UpdatePodSandboxResources',
+                request_serializer=podgate_dot_cri_dot_api__pb2.UpdatePodSandboxResourcesRequest.SerializeToString,
+                response_deserializer=podgate_dot_cri_dot_api__pb2.UpdatePodSandboxResourcesResponse.FromString,
                 _registered_method=True)
 
 
@@ -276,6 +296,18 @@ class RuntimeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PodSandboxStats(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListPodSandboxStats(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def UpdateRuntimeConfig(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -288,7 +320,20 @@ class RuntimeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetContainerEvents(self, request, context):
+        """A server stream of container lifecycle events (the kubelet's evented PLEG).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def RuntimeConfig(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdatePodSandboxResources(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -397,6 +442,16 @@ def add_RuntimeServiceServicer_to_server(servicer, server):
                     request_deserializer=podgate_dot_cri_dot_api__pb2.ListContainerStatsRequest.FromString,
                     response_serializer=podgate_dot_cri_dot_api__pb2.ListContainerStatsResponse.SerializeToString,
             ),
+            'PodSandboxStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.PodSandboxStats,
+                    request_deserializer=podgate_dot_cri_dot_api__pb2.PodSandboxStatsRequest.FromString,
+                    response_serializer=podgate_dot_cri_dot_api__pb2.PodSandboxStatsResponse.SerializeToString,
+            ),
+            'ListPodSandboxStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListPodSandboxStats,
+                    request_deserializer=podgate_dot_cri_dot_api__pb2.ListPodSandboxStatsRequest.FromString,
+                    response_serializer=podgate_dot_cri_dot_api__pb2.ListPodSandboxStatsResponse.SerializeToString,
+            ),
             'UpdateRuntimeConfig': grpc.unary_unary_rpc_method_handler(
                     servicer.UpdateRuntimeConfig,
                     request_deserializer=podgate_dot_cri_dot_api__pb2.UpdateRuntimeConfigRequest.FromString,
@@ -407,10 +462,20 @@ def add_RuntimeServiceServicer_to_server(servicer, server):
                     request_deserializer=podgate_dot_cri_dot_api__pb2.StatusRequest.FromString,
                     response_serializer=podgate_dot_cri_dot_api__pb2.StatusResponse.SerializeToString,
             ),
+            'GetContainerEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetContainerEvents,
+                    request_deserializer=podgate_dot_cri_dot_api__pb2.GetEventsRequest.FromString,
+                    response_serializer=podgate_dot_cri_dot_api__pb2.ContainerEventResponse.SerializeToString,
+            ),
             'RuntimeConfig': grpc.unary_unary_rpc_method_handler(
                     servicer.RuntimeConfig,
                     request_deserializer=podgate_dot_cri_dot_api__pb2.RuntimeConfigRequest.FromString,
                     response_serializer=podgate_dot_cri_dot_api__pb2.RuntimeConfigResponse.SerializeToString,
+            ),
+            'UpdatePodSandboxResources': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdatePodSandboxResources,
+                    request_deserializer=podgate_dot_cri_dot_api__pb2.UpdatePodSandboxResourcesRequest.FromString,
+                    response_serializer=podgate_dot_cri_dot_api__pb2.UpdatePodSandboxResourcesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -965,6 +1030,60 @@ class RuntimeService:
             _registered_method=True)
 
     @staticmethod
+    def PodSandboxStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/runtime.v1.RuntimeService/PodSandboxStats',
+            podgate_dot_cri_dot_api__pb2.PodSandboxStatsRequest.SerializeToString,
+            podgate_dot_cri_dot_api__pb2.PodSandboxStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListPodSandboxStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/runtime.v1.RuntimeService/ListPodSandboxStats',
+            podgate_dot_cri_dot_api__pb2.ListPodSandboxStatsRequest.SerializeToString,
+            podgate_dot_cri_dot_api__pb2.ListPodSandboxStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def UpdateRuntimeConfig(request,
             target,
             options=(),
@@ -1019,6 +1138,33 @@ class RuntimeService:
             _registered_method=True)
 
     @staticmethod
+    def GetContainerEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/runtime.v1.RuntimeService/GetContainerEvents',
+            podgate_dot_cri_dot_api__pb2.GetEventsRequest.SerializeToString,
+            podgate_dot_cri_dot_api__pb2.ContainerEventResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def RuntimeConfig(request,
             target,
             options=(),
@@ -1035,6 +1181,33 @@ class RuntimeService:
             '/runtime.v1.RuntimeService/RuntimeConfig',
             podgate_dot_cri_dot_api__pb2.RuntimeConfigRequest.SerializeToString,
             podgate_dot_cri_dot_api__pb2.RuntimeConfigResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdatePodSandboxResources(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/runtime.v1.RuntimeService/UpdatePodSandboxResources',
+            podgate_dot_cri_dot_api__pb2.UpdatePodSandboxResourcesRequest.SerializeToString,
+            podgate_dot_cri_dot_api__pb2.UpdatePodSandboxResourcesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -4,9 +4,12 @@ isort:skip_file
 The subset of the Kubernetes CRI v1 API (k8s.io/cri-api pkg/apis/runtime/v1/api.proto) that
 podgate serves. Package, service, method and message names and every field number are the
 upstream ones, so kubelet and crictl talk to podgate unchanged. Methods left out answer
-UNIMPLEMENTED; fields left out (Windows-only ones, stats) are skipped as unknown fields.
+UNIMPLEMENTED; fields left out are skipped as unknown fields. Left out: the Windows-only
+messages and fields (WindowsPodSandboxStats, WindowsContainerStats, Windows*Usage, ...), the
+PSI and IO stats (PsiStats, IoUsage; cgroup v1 has no PSI), CheckpointContainer, the
+Stream* list methods and the pod sandbox metrics methods.
 
-Regenerate the Python modules with `python -m podgate.runtime.cri.generate`.
+Regenerate the Python modules with `python -m podgate.codegen`.
 """
 
 from collections import abc as _abc
@@ -59,9 +62,14 @@ class RuntimeServiceStub:
     PortForward: _grpc.UnaryUnaryMultiCallable[_api_pb2.PortForwardRequest, _api_pb2.PortForwardResponse]
     ContainerStats: _grpc.UnaryUnaryMultiCallable[_api_pb2.ContainerStatsRequest, _api_pb2.ContainerStatsResponse]
     ListContainerStats: _grpc.UnaryUnaryMultiCallable[_api_pb2.ListContainerStatsRequest, _api_pb2.ListContainerStatsResponse]
+    PodSandboxStats: _grpc.UnaryUnaryMultiCallable[_api_pb2.PodSandboxStatsRequest, _api_pb2.PodSandboxStatsResponse]
+    ListPodSandboxStats: _grpc.UnaryUnaryMultiCallable[_api_pb2.ListPodSandboxStatsRequest, _api_pb2.ListPodSandboxStatsResponse]
     UpdateRuntimeConfig: _grpc.UnaryUnaryMultiCallable[_api_pb2.UpdateRuntimeConfigRequest, _api_pb2.UpdateRuntimeConfigResponse]
     Status: _grpc.UnaryUnaryMultiCallable[_api_pb2.StatusRequest, _api_pb2.StatusResponse]
+    GetContainerEvents: _grpc.UnaryStreamMultiCallable[_api_pb2.GetEventsRequest, _api_pb2.ContainerEventResponse]
+    """A server stream of container lifecycle events (the kubelet's evented PLEG)."""
     RuntimeConfig: _grpc.UnaryUnaryMultiCallable[_api_pb2.RuntimeConfigRequest, _api_pb2.RuntimeConfigResponse]
+    UpdatePodSandboxResources: _grpc.UnaryUnaryMultiCallable[_api_pb2.UpdatePodSandboxResourcesRequest, _api_pb2.UpdatePodSandboxResourcesResponse]
 
 @_typing.type_check_only
 class RuntimeServiceAsyncStub(RuntimeServiceStub):
@@ -88,9 +96,14 @@ class RuntimeServiceAsyncStub(RuntimeServiceStub):
     PortForward: _aio.UnaryUnaryMultiCallable[_api_pb2.PortForwardRequest, _api_pb2.PortForwardResponse]  # type: ignore[assignment]
     ContainerStats: _aio.UnaryUnaryMultiCallable[_api_pb2.ContainerStatsRequest, _api_pb2.ContainerStatsResponse]  # type: ignore[assignment]
     ListContainerStats: _aio.UnaryUnaryMultiCallable[_api_pb2.ListContainerStatsRequest, _api_pb2.ListContainerStatsResponse]  # type: ignore[assignment]
+    PodSandboxStats: _aio.UnaryUnaryMultiCallable[_api_pb2.PodSandboxStatsRequest, _api_pb2.PodSandboxStatsResponse]  # type: ignore[assignment]
+    ListPodSandboxStats: _aio.UnaryUnaryMultiCallable[_api_pb2.ListPodSandboxStatsRequest, _api_pb2.ListPodSandboxStatsResponse]  # type: ignore[assignment]
     UpdateRuntimeConfig: _aio.UnaryUnaryMultiCallable[_api_pb2.UpdateRuntimeConfigRequest, _api_pb2.UpdateRuntimeConfigResponse]  # type: ignore[assignment]
     Status: _aio.UnaryUnaryMultiCallable[_api_pb2.StatusRequest, _api_pb2.StatusResponse]  # type: ignore[assignment]
+    GetContainerEvents: _aio.UnaryStreamMultiCallable[_api_pb2.GetEventsRequest, _api_pb2.ContainerEventResponse]  # type: ignore[assignment]
+    """A server stream of container lifecycle events (the kubelet's evented PLEG)."""
     RuntimeConfig: _aio.UnaryUnaryMultiCallable[_api_pb2.RuntimeConfigRequest, _api_pb2.RuntimeConfigResponse]  # type: ignore[assignment]
+    UpdatePodSandboxResources: _aio.UnaryUnaryMultiCallable[_api_pb2.UpdatePodSandboxResourcesRequest, _api_pb2.UpdatePodSandboxResourcesResponse]  # type: ignore[assignment]
 
 class RuntimeServiceServicer(metaclass=_abc_1.ABCMeta):
     """Runtime service defines the public APIs for remote container runtimes."""
@@ -236,6 +249,20 @@ class RuntimeServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_api_pb2.ListContainerStatsResponse, _abc.Awaitable[_api_pb2.ListContainerStatsResponse]]: ...
 
     @_abc_1.abstractmethod
+    def PodSandboxStats(
+        self,
+        request: _api_pb2.PodSandboxStatsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_api_pb2.PodSandboxStatsResponse, _abc.Awaitable[_api_pb2.PodSandboxStatsResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ListPodSandboxStats(
+        self,
+        request: _api_pb2.ListPodSandboxStatsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_api_pb2.ListPodSandboxStatsResponse, _abc.Awaitable[_api_pb2.ListPodSandboxStatsResponse]]: ...
+
+    @_abc_1.abstractmethod
     def UpdateRuntimeConfig(
         self,
         request: _api_pb2.UpdateRuntimeConfigRequest,
@@ -250,11 +277,26 @@ class RuntimeServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_api_pb2.StatusResponse, _abc.Awaitable[_api_pb2.StatusResponse]]: ...
 
     @_abc_1.abstractmethod
+    def GetContainerEvents(
+        self,
+        request: _api_pb2.GetEventsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_api_pb2.ContainerEventResponse], _abc.AsyncIterator[_api_pb2.ContainerEventResponse]]:
+        """A server stream of container lifecycle events (the kubelet's evented PLEG)."""
+
+    @_abc_1.abstractmethod
     def RuntimeConfig(
         self,
         request: _api_pb2.RuntimeConfigRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_api_pb2.RuntimeConfigResponse, _abc.Awaitable[_api_pb2.RuntimeConfigResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def UpdatePodSandboxResources(
+        self,
+        request: _api_pb2.UpdatePodSandboxResourcesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_api_pb2.UpdatePodSandboxResourcesResponse, _abc.Awaitable[_api_pb2.UpdatePodSandboxResourcesResponse]]: ...
 
 def add_RuntimeServiceServicer_to_server(servicer: RuntimeServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

@@ -3,8 +3,10 @@ imported into the runtime's image store, so `podgate up` needs no registry.
 
     localhost/podgate/busybox:latest   busybox with every applet linked in /bin, CMD ["sh"]
     localhost/podgate/hello:latest     the same base layer + /www, busybox httpd on :8080
+    localhost/podgate/udp-echo:latest  the same base layer + /bin/udp-echo (demo/udp_echo.py,
+                                       x86-64 only), a UDP echo server on :9053
 
-Both images share their base layer (one snapshot on disk). The build is deterministic: the
+The images share their base layer (one snapshot on disk). The build is deterministic: the
 same busybox binary gives the same image IDs, so a restart finds the images present and
 builds nothing.
 """
@@ -19,6 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Final
 
+from podgate.demo.udp_echo import UDP_ECHO_ELF
 from podgate.images.builder import BuiltImage, build_image, dir_layer, write_oci_layout
 from podgate.images.importer import import_archive
 from podgate.images.store import ImageRecord, ImageStore
@@ -28,17 +31,20 @@ __all__ = [
     "BUSYBOX_IMAGE",
     "HELLO_IMAGE",
     "SAMPLE_IMAGES",
+    "UDP_ECHO_IMAGE",
     "SampleImageError",
     "ensure_sample_images",
 ]
 
 BUSYBOX_IMAGE: Final = "localhost/podgate/busybox:latest"
 HELLO_IMAGE: Final = "localhost/podgate/hello:latest"
-SAMPLE_IMAGES: Final = (BUSYBOX_IMAGE, HELLO_IMAGE)
+UDP_ECHO_IMAGE: Final = "localhost/podgate/udp-echo:latest"
+SAMPLE_IMAGES: Final = (BUSYBOX_IMAGE, HELLO_IMAGE, UDP_ECHO_IMAGE)
 # Where Debian's busybox-static installs the binary (usr-merged systems have both).
 BUSYBOX_PATHS: Final = ("/bin/busybox", "/usr/bin/busybox")
 HELLO_PORT: Final = 8080
 HELLO_BODY: Final = b"hello from podgate\n"
+UDP_ECHO_PORT: Final = 9053
 # Listing the applets is instant; more than this means a broken binary (seconds).
 LIST_TIMEOUT_SECONDS: Final = 10
 _PT_INTERP: Final = 3
@@ -117,6 +123,14 @@ def _hello_layer(work: Path) -> bytes:
     return _tree_layer(root)
 
 
+def _udp_echo_layer(work: Path) -> bytes:
+    root = work / "udp-echo"
+    (root / "bin").mkdir(parents=True)
+    (root / "bin" / "udp-echo").write_bytes(UDP_ECHO_ELF)
+    (root / "bin" / "udp-echo").chmod(0o755)
+    return _tree_layer(root)
+
+
 def build_sample_images(busybox: Path | None = None) -> dict[str, BuiltImage]:
     busybox = busybox or find_busybox()
     env = ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]
@@ -124,6 +138,7 @@ def build_sample_images(busybox: Path | None = None) -> dict[str, BuiltImage]:
         work = Path(tmp)
         base = _base_layer(busybox, work)
         hello = _hello_layer(work)
+        udp_echo = _udp_echo_layer(work)
     shell = build_image([base], {"Cmd": ["sh"], "Env": env}, compression="gzip")
     web = build_image(
         [base, hello],
@@ -135,7 +150,16 @@ def build_sample_images(busybox: Path | None = None) -> dict[str, BuiltImage]:
         },
         compression="gzip",
     )
-    return {BUSYBOX_IMAGE: shell, HELLO_IMAGE: web}
+    echo = build_image(
+        [base, udp_echo],
+        {
+            "Cmd": ["udp-echo", str(UDP_ECHO_PORT)],
+            "Env": env,
+            "ExposedPorts": {f"{UDP_ECHO_PORT}/udp": {}},
+        },
+        compression="gzip",
+    )
+    return {BUSYBOX_IMAGE: shell, HELLO_IMAGE: web, UDP_ECHO_IMAGE: echo}
 
 
 def ensure_sample_images(store: ImageStore) -> list[ImageRecord]:

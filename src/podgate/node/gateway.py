@@ -22,6 +22,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from podgate.aio.spdy import MAX_STREAMS_PER_SESSION
 from podgate.aio.streams import SocketStream
 from podgate.node.audit import DEFAULT_AUDIT_KEEP, DEFAULT_AUDIT_MAX_BYTES, AuditLog
 from podgate.node.auth import Authenticator, TokenFile, UserInfo
@@ -30,6 +31,7 @@ from podgate.node.listener import DEFAULT_AUTH_TIMEOUT_SECONDS, DEFAULT_MAX_UNAU
 from podgate.node.policy import Policy
 from podgate.proto.upgrade import UpgradeRequest
 from podgate.streaming.hooks import ForwardRecord, SessionHooks
+from podgate.streaming.server import PAIRS_IN_FLIGHT
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +41,10 @@ DEFAULT_MAX_STREAMS_PER_POD = 128
 # Streams one user may hold on one pod: a quarter of the pod's cap, so two (or three) users
 # with sessions left open cannot take a pod away from everyone else.
 DEFAULT_MAX_STREAMS_PER_USER_PER_POD = DEFAULT_MAX_STREAMS_PER_POD // 4
+# Forwarded connections one port-forward session (one kubectl port-forward) may carry at once:
+# what a SPDY session allows by default. Upstream, the gateway opens as many sessions to the
+# runtime as these need.
+DEFAULT_MAX_FORWARDS_PER_SESSION = MAX_STREAMS_PER_SESSION // 2 - PAIRS_IN_FLIGHT
 
 
 @dataclass(slots=True)
@@ -47,6 +53,7 @@ class Limits:
     max_streams_per_pod: int = DEFAULT_MAX_STREAMS_PER_POD
     max_bytes_per_sec: float | None = None  # per stream, each way; None = unlimited
     max_streams_per_user_per_pod: int = DEFAULT_MAX_STREAMS_PER_USER_PER_POD
+    max_forwards_per_session: int = DEFAULT_MAX_FORWARDS_PER_SESSION
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,6 +248,7 @@ class GateStream(SessionHooks):
         self.request = request
         self.started = time.monotonic()
         self.max_bytes_per_sec = gate.limits.max_bytes_per_sec
+        self.max_forwards = gate.limits.max_forwards_per_session
         self._count = gate._counted(who.user.name, f"{pod.namespace}/{pod.name}")
         self._count.__enter__()
         gate.metrics.active.labels(verb).inc()

@@ -27,6 +27,7 @@ from podgate.node.logs import LogSource, LogSourceLost, read_log
 from podgate.node.origin import Refusal, RequestOrigins
 from podgate.proto import k8s
 from podgate.proto.errors import RemoteProtocolError
+from podgate.proto.pipeline import HeadScanner
 from podgate.proto.upgrade import HandshakeError, ServerHandshake, StreamKind, UpgradeRequest
 from podgate.streaming.hooks import SessionHooks
 from podgate.streaming.server import StreamRequest, serve_stream
@@ -38,6 +39,9 @@ JSON = "application/json"
 # Streams with no traffic for this long are closed (the kubelet's streamingConnectionIdleTimeout).
 DEFAULT_IDLE_TIMEOUT_SECONDS = 4 * 3600.0
 TABLE_CONTENT_TYPE = "application/json;as=Table;v=v1;g=meta.k8s.io"
+# Anonymous requests answered in a row on one connection before every other connection (an
+# authenticated user's handshake among them) gets a turn: a few ms of work at most.
+ANONYMOUS_ANSWERS_PER_TURN = 16
 
 _POD_PATH = re.compile(
     r"^/api/v1/namespaces/(?P<ns>[^/]+)/pods/(?P<name>[^/]+)(?:/(?P<sub>[a-z]+))?$"
@@ -407,14 +411,22 @@ class KubeApi:
 
     async def handle(self, conn: SocketStream, ticket: Ticket | None = None) -> None:
         handshake = ServerHandshake()
+        rest = b""
+        if ticket is not None and self.guard is not None:
+            try:
+                async with asyncio.timeout_at(ticket.deadline):
+                    found = await self._answer_anonymous(conn)
+            except TimeoutError:
+                self.preauth.timed_out += 1
+                return
+            if found is None:
+                return
+            rest = found
         while True:
             try:
-                if ticket is not None and not ticket.released:
-                    # Not authenticated yet: the whole connection has until its deadline.
-                    async with asyncio.timeout_at(ticket.deadline):
-                        request = await next_request(conn, handshake)
-                else:
-                    request = await next_request(conn, handshake)
+                request, rest = (handshake.receive_data(rest) if rest else None), b""
+                if request is None:
+                    request = await self._next_request(conn, handshake, ticket)
             except TimeoutError:
                 self.preauth.timed_out += 1
                 return
@@ -437,6 +449,55 @@ class KubeApi:
                     "ServiceUnavailable",
                     f"the container runtime is unavailable: {exc}",
                 )
+
+    @staticmethod
+    async def _next_request(
+        conn: SocketStream, handshake: ServerHandshake, ticket: Ticket | None
+    ) -> UpgradeRequest | None:
+        if ticket is not None and not ticket.released:
+            # Not authenticated yet: the whole connection has until its deadline.
+            async with asyncio.timeout_at(ticket.deadline):
+                return await next_request(conn, handshake)
+        return await next_request(conn, handshake)
+
+    async def _answer_anonymous(self, conn: SocketStream) -> bytes | None:
+        """Answer 401 to plain requests without credentials as they come, without the HTTP
+        state machine: the cheapest a request from anyone can be. Returns the bytes from the
+        first request that needs more (credentials, a refused origin, a body, an upgrade), or
+        None once the client is gone."""
+        assert self.guard is not None
+        scanner = HeadScanner()
+        answers: list[bytes] = []
+        while True:
+            while (request := scanner.next_request()) is not None:
+                if (
+                    self.origins.check(request) is not None
+                    or self.guard.identify(conn, request) is not None
+                ):
+                    break
+                answers.append(_UNAUTHORIZED_RESPONSE)
+                if len(answers) >= ANONYMOUS_ANSWERS_PER_TURN:
+                    conn.writelines(answers)
+                    answers.clear()
+                    await conn.drain()
+                    await asyncio.sleep(0)  # every other connection's turn
+            else:
+                if not scanner.stopped:
+                    if answers:
+                        conn.writelines(answers)
+                        answers.clear()
+                        await conn.drain()
+                    data = await conn.receive()
+                    if not data:
+                        return None
+                    scanner.receive_data(data)
+                    continue
+                request = None
+            # The full parser reads it (again, for one that is not anonymous) and what follows.
+            if answers:
+                conn.writelines(answers)
+                await conn.drain()
+            return scanner.take_rest(with_last=request is not None)
 
     async def _route(
         self,
@@ -718,6 +779,17 @@ class KubeApi:
     ) -> None:
         body = k8s.http_status_body(code, reason, message, details)
         await conn.send(handshake.respond(code, [(b"Content-Type", b"application/json")], body))
+
+
+def _render_unauthorized() -> bytes:
+    """The 401 exactly as the full path answers it, rendered once."""
+    handshake = ServerHandshake()
+    handshake.receive_data(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    body = k8s.http_status_body(401, "Unauthorized", "Unauthorized")
+    return handshake.respond(401, [(b"Content-Type", b"application/json")], body)
+
+
+_UNAUTHORIZED_RESPONSE = _render_unauthorized()
 
 
 def _peer_address(peer: object) -> str:

@@ -21,11 +21,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from podgate.aio.errors import BrokenStreamError, ForwardError, StreamError, StreamResetError
+from podgate.aio.spdy import MAX_STREAMS_PER_SESSION
 from podgate.aio.streams import DEFAULT_RECEIVE_BYTES, Buffer, ByteStream
 from podgate.aio.tasks import cancel_and_wait
 from podgate.node.cri_client import CriClient, CriError
 from podgate.node.execforward import ExecForwarder
 from podgate.proto.errors import ProtocolError
+from podgate.proto.spdy import RstStatus
 from podgate.streaming.client import (
     ExecResult,
     ForwardedStream,
@@ -40,6 +42,14 @@ log = logging.getLogger(__name__)
 
 # An upstream port-forward session with no forwarded connection for this long is closed.
 PORTFORWARD_IDLE_SECONDS = 60.0
+# Forwards the gateway puts on one upstream session before it opens another: two streams
+# each, within what podgate's streaming server accepts per session (MAX_STREAMS_PER_SESSION)
+# with room for pairs still closing on its side. A runtime that refuses streams sooner
+# (REFUSED_STREAM) marks the session full at what it carries.
+FORWARDS_PER_UPSTREAM_SESSION = MAX_STREAMS_PER_SESSION // 2 - 16
+# Sessions one forward tries (a pooled one that broke, or refused for being full) before it
+# fails.
+OPEN_ATTEMPTS = 4
 # After the runtime resets a forwarded stream, how long its error text may take to arrive.
 ERROR_TEXT_WAIT_SECONDS = 1.0
 # Most error text kept from one pair's error stream (the runtime's is one line).
@@ -131,6 +141,7 @@ class CriTarget:
         ssl_context: ssl.SSLContext | None = None,
         idle_seconds: float = PORTFORWARD_IDLE_SECONDS,
         via_exec: bool = False,
+        forwards_per_session: int = FORWARDS_PER_UPSTREAM_SESSION,
     ) -> None:
         self.client = client
         # Port-forward by a forwarder run through CRI Exec instead of CRI PortForward (for
@@ -138,7 +149,8 @@ class CriTarget:
         self.exec_forwarder = ExecForwarder(client) if via_exec else None
         self.ssl_context = ssl_context
         self.idle_seconds = idle_seconds
-        self._sessions: dict[str, _PooledSession] = {}
+        self.forwards_per_session = forwards_per_session
+        self._sessions: dict[str, list[_PooledSession]] = {}
         self._connecting: dict[str, asyncio.Task[_PooledSession]] = {}
         self._closing: set[asyncio.Task[None]] = set()
 
@@ -176,36 +188,55 @@ class CriTarget:
             if protocol != "tcp":
                 raise TargetError(EXEC_NO_UDP)
             return await self.exec_forwarder.open_port(pod, port)
-        while True:
+        for _ in range(OPEN_ATTEMPTS):
+            # The slot is taken before the pair is opened: concurrent opens spread over the
+            # pool instead of all choosing the one session that looked free.
             entry, reused = await self._session(pod.sandbox_id, pool_key(pod))
             if protocol == "udp" and not entry.session.supports_udp:
+                entry.release()
                 raise TargetError(RUNTIME_NO_UDP)
             try:
                 forwarded = await entry.session.open(port, protocol)
             except StreamError as exc:
+                entry.release()
                 if entry.usable and isinstance(exc, StreamResetError):
+                    if exc.status == RstStatus.REFUSED_STREAM and entry.active:
+                        # The runtime holds fewer streams per session than we assumed: this
+                        # session is full at what it carries now; the next one takes the rest.
+                        entry.capacity = entry.active
+                        continue
                     # The runtime refused this pair alone; the session is fine.
                     raise TargetError(f"the runtime refused the stream: {exc}") from exc
                 self._drop(entry)
                 if reused:
-                    continue  # it broke while pooled: one try on a fresh one
+                    continue  # it broke while pooled: try again on a fresh one
                 raise TargetError(f"error forwarding through the runtime: {exc}") from exc
-            entry.acquire()
             return UpstreamStream(forwarded, port, entry.release)
+        raise TargetError("error forwarding through the runtime: no upstream session took it")
 
     async def _session(self, sandbox_id: str, key: str) -> tuple[_PooledSession, bool]:
-        entry = self._sessions.get(key)
-        if entry is not None:
-            if entry.usable:
-                return entry, True
-            self._drop(entry)
-        task = self._connecting.get(key)
-        if task is None:
-            task = asyncio.create_task(self._connect(sandbox_id, key), name=f"pf connect {key}")
-            self._connecting[key] = task
-            task.add_done_callback(lambda t: self._connected(key, t))
-        # Shielded: one caller giving up does not abort the others' connection.
-        return await asyncio.shield(task), False
+        """A pooled session with room for one more forward, its slot taken (release() gives
+        it back), and whether it was pooled before; a new session is opened when every one is
+        full. Only one is opened at a time per key: callers that find no room wait for it."""
+        while True:
+            entries = self._sessions.get(key, [])
+            for entry in list(entries):
+                if not entry.usable:
+                    self._drop(entry)
+                elif entry.active < entry.capacity:
+                    entry.acquire()
+                    return entry, True
+            task = self._connecting.get(key)
+            if task is None:
+                task = asyncio.create_task(self._connect(sandbox_id, key), name=f"pf connect {key}")
+                self._connecting[key] = task
+                task.add_done_callback(lambda t: self._connected(key, t))
+            # Shielded: one caller giving up does not abort the others' connection.
+            entry = await asyncio.shield(task)
+            if entry.usable and entry.active < entry.capacity:
+                entry.acquire()
+                return entry, False
+            # Filled by the callers that woke first: look again (another session follows).
 
     async def _connect(self, sandbox_id: str, key: str) -> _PooledSession:
         try:
@@ -218,8 +249,8 @@ class CriTarget:
             raise TargetError(f"error connecting to the runtime's streaming server: {exc}") from exc
         except (StreamError, ProtocolError, ValueError) as exc:
             raise TargetError(f"error connecting to the runtime's streaming server: {exc}") from exc
-        entry = _PooledSession(key, session)
-        self._sessions[key] = entry
+        entry = _PooledSession(key, session, capacity=self.forwards_per_session)
+        self._sessions.setdefault(key, []).append(entry)
         entry.on_idle = self._expire
         entry.schedule_idle(self.idle_seconds)
         return entry
@@ -236,8 +267,11 @@ class CriTarget:
             self._drop(entry)
 
     def _drop(self, entry: _PooledSession) -> None:
-        if self._sessions.get(entry.key) is entry:
-            del self._sessions[entry.key]
+        entries = self._sessions.get(entry.key, [])
+        if entry in entries:
+            entries.remove(entry)
+            if not entries:
+                del self._sessions[entry.key]
         if entry.closed:
             return
         entry.closed = True
@@ -247,10 +281,10 @@ class CriTarget:
         task.add_done_callback(self._closing.discard)
 
     @property
-    def pooled_sessions(self) -> dict[str, PortForwardSession]:
-        """The upstream session of each sandbox and tenant, by pool_key (for status pages and
+    def pooled_sessions(self) -> dict[str, list[PortForwardSession]]:
+        """The upstream sessions of each sandbox and tenant, by pool_key (for status pages and
         tests)."""
-        return {sid: entry.session for sid, entry in self._sessions.items()}
+        return {key: [e.session for e in entries] for key, entries in self._sessions.items()}
 
     async def aclose(self) -> None:
         """Close every pooled upstream session."""
@@ -258,8 +292,9 @@ class CriTarget:
         for task in connecting:
             task.cancel()
         await asyncio.gather(*connecting, return_exceptions=True)
-        for entry in list(self._sessions.values()):
-            self._drop(entry)
+        for entries in list(self._sessions.values()):
+            for entry in list(entries):
+                self._drop(entry)
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
 
@@ -268,6 +303,7 @@ class CriTarget:
 class _PooledSession:
     key: str  # pool_key(): the sandbox, and the tenant it serves
     session: PortForwardSession
+    capacity: int = 1  # forwards it may carry at once
     active: int = 0
     closed: bool = False
     on_idle: Callable[[_PooledSession], None] | None = None

@@ -111,6 +111,11 @@ def pod_sandbox(pod: PodRecord, *, netns_path: str, ips: Sequence[str]) -> api.P
             namespaces.add(type="ipc", path=f"{proc}/ipc")
         if pod.pid_mode is NamespaceMode.POD:
             namespaces.add(type="pid", path=f"{proc}/pid")
+    # The pod-level resources as recorded (containerd: the sandbox config's); unset when none.
+    if pod.overhead:
+        message.linux.pod_overhead.CopyFrom(nri_resources(pod.overhead))
+    if pod.resources:
+        message.linux.pod_resources.CopyFrom(nri_resources(pod.resources))
     return message
 
 

@@ -1,5 +1,6 @@
 """A container's cgroup under the cgroupfs driver: v1 (one hierarchy per controller, as on
-these machines) or v2 (unified), usage figures for stats and the OOM-kill count.
+these machines) or v2 (unified), usage figures for stats and the OOM-kill count; and the
+memory and CPU limits of a pod's cgroup, the parent of its containers' (`set_limits`).
 
 runc places a container at `cgroupsPath` below each hierarchy's root; these functions read
 the same places. A missing file reads as zero: a container that has just gone away has no
@@ -16,11 +17,13 @@ from typing import Final
 __all__ = [
     "CGROUP_ROOT",
     "CgroupStats",
+    "Limits",
     "controller_dirs",
     "is_v2",
     "memory_limit",
     "oom_kills",
     "remove",
+    "set_limits",
     "stats",
 ]
 
@@ -44,6 +47,12 @@ V1_CONTROLLERS: Final = (
 )
 # memory.limit_in_bytes of an unlimited v1 cgroup (PAGE_COUNTER_MAX pages of 4 KiB).
 V1_UNLIMITED_FLOOR: Final = 1 << 62
+# The CFS period when none is given (the kernel's default), microseconds.
+DEFAULT_CPU_PERIOD_US: Final = 100_000
+# cpu.shares bounds (kernel) and the cpu.weight range of v2, for runc's shares→weight mapping.
+MIN_CPU_SHARES: Final = 2
+MAX_CPU_SHARES: Final = 262_144
+MAX_CPU_WEIGHT: Final = 10_000
 
 
 def is_v2(root: str = CGROUP_ROOT) -> bool:
@@ -149,3 +158,48 @@ def remove(path: str, root: str = CGROUP_ROOT) -> None:
             os.rmdir(directory)
         except OSError:
             pass
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """A cgroup's memory and CPU limits; 0 = unlimited (memory, quota) or unchanged (shares)."""
+
+    memory: int = 0  # bytes
+    cpu_quota: int = 0  # microseconds per period
+    cpu_period: int = DEFAULT_CPU_PERIOD_US
+    cpu_shares: int = 0
+
+
+def _write(directory: str, name: str, value: str) -> None:
+    with open(os.path.join(directory, name), "w", encoding="ascii") as f:
+        f.write(value)
+
+
+def _weight(shares: int) -> int:
+    """cpu.shares as v2 cpu.weight, the way runc converts it."""
+    shares = min(max(shares, MIN_CPU_SHARES), MAX_CPU_SHARES)
+    span = MAX_CPU_SHARES - MIN_CPU_SHARES
+    return 1 + ((shares - MIN_CPU_SHARES) * (MAX_CPU_WEIGHT - 1)) // span
+
+
+def set_limits(path: str, limits: Limits, root: str = CGROUP_ROOT) -> None:
+    """Write `limits` to the cgroup `path` (made when missing, as runc would on the first
+    container). Raises OSError when the kernel refuses a value (a memory limit below usage)."""
+    if is_v2(root):
+        directory = os.path.join(root, path.lstrip("/"))
+        os.makedirs(directory, exist_ok=True)
+        _write(directory, "memory.max", str(limits.memory) if limits.memory else "max")
+        quota = str(limits.cpu_quota) if limits.cpu_quota else "max"
+        _write(directory, "cpu.max", f"{quota} {limits.cpu_period}")
+        if limits.cpu_shares:
+            _write(directory, "cpu.weight", str(_weight(limits.cpu_shares)))
+        return
+    memory, cpu = _dir(root, "memory", path), _dir(root, "cpu", path)
+    os.makedirs(memory, exist_ok=True)
+    os.makedirs(cpu, exist_ok=True)
+    _write(memory, "memory.limit_in_bytes", str(limits.memory or -1))
+    # The period first: a quota is checked against the period in force.
+    _write(cpu, "cpu.cfs_period_us", str(limits.cpu_period))
+    _write(cpu, "cpu.cfs_quota_us", str(limits.cpu_quota or -1))
+    if limits.cpu_shares:
+        _write(cpu, "cpu.shares", str(limits.cpu_shares))

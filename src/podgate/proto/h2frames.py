@@ -8,8 +8,7 @@ Sans-IO: bytes in, frames out.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
-from typing import Final
+from typing import Final, NamedTuple
 
 from podgate.proto.errors import ProtocolError
 
@@ -45,8 +44,7 @@ GRPC_PREFIX_BYTES: Final = 5
 _HEADER = struct.Struct(">I")
 
 
-@dataclass(frozen=True, slots=True)
-class Frame:
+class Frame(NamedTuple):
     type: int
     flags: int
     stream_id: int
@@ -62,47 +60,64 @@ class FrameSplitter:
     """Cuts a byte stream into frames; the client preface first when `preface` is set."""
 
     def __init__(self, *, preface: bool = False, max_payload: int = MAX_FRAME_PAYLOAD_BYTES):
-        self._buffer = bytearray()
+        self._buffer = bytearray()  # the start of a frame not yet whole
+        self._need = 0  # bytes the buffer must hold before that frame is whole
         self._want_preface = preface
         self._max_payload = max_payload
 
     def feed(self, data: bytes | bytearray | memoryview) -> tuple[bytes, list[Frame]]:
         """(the preface if it completed now, the frames that completed)."""
-        self._buffer += data
-        preface = b""
+        wanted = self._want_preface
+        _, frames = self.split(data)
+        return (PREFACE if wanted and not self._want_preface else b""), frames
+
+    def split(self, data: bytes | bytearray | memoryview) -> tuple[memoryview, list[Frame]]:
+        """(every byte that completed now, in order: the preface if it did, then the frames;
+        the frames that completed). A relay that passes frames on unchanged sends the first
+        as it is, without joining the frames again."""
+        if self._buffer:
+            self._buffer += data
+            if len(self._buffer) < self._need:  # a long frame still arriving: no copy
+                return memoryview(b""), []
+            data = bytes(self._buffer)
+            self._buffer = bytearray()
+        elif not isinstance(data, bytes):
+            data = bytes(data)
+        view = memoryview(data)
+        end = len(view)
         offset = 0
         if self._want_preface:
-            if len(self._buffer) < len(PREFACE):
-                if not PREFACE.startswith(bytes(self._buffer)):
+            if end < len(PREFACE):
+                if not PREFACE.startswith(data):
                     raise ProtocolError("not an HTTP/2 connection preface")
-                return b"", []
-            if self._buffer[: len(PREFACE)] != PREFACE:
+                self._buffer += data
+                return view[:0], []
+            if bytes(view[: len(PREFACE)]) != PREFACE:
                 raise ProtocolError("not an HTTP/2 connection preface")
-            preface, offset, self._want_preface = PREFACE, len(PREFACE), False
+            offset, self._want_preface = len(PREFACE), False
         frames = []
-        data_view = memoryview(bytes(self._buffer))
-        end = len(data_view)
+        self._need = 0
         while end - offset >= FRAME_HEADER_BYTES:
-            length = int.from_bytes(data_view[offset : offset + 3], "big")
+            length = int.from_bytes(view[offset : offset + 3], "big")
             if length > self._max_payload:
                 raise ProtocolError(f"frame of {length} bytes exceeds the maximum")
-            if end - offset < FRAME_HEADER_BYTES + length:
-                break
-            kind, flags = data_view[offset + 3], data_view[offset + 4]
-            stream_id = _HEADER.unpack_from(data_view, offset + 5)[0] & 0x7FFFFFFF
             start = offset + FRAME_HEADER_BYTES
+            if end < start + length:
+                self._need = FRAME_HEADER_BYTES + length
+                break
             frames.append(
                 Frame(
-                    kind,
-                    flags,
-                    stream_id,
-                    data_view[start : start + length],
-                    data_view[offset : start + length],
+                    view[offset + 3],
+                    view[offset + 4],
+                    _HEADER.unpack_from(view, offset + 5)[0] & 0x7FFFFFFF,
+                    view[start : start + length],
+                    view[offset : start + length],
                 )
             )
             offset = start + length
-        del self._buffer[:offset]
-        return preface, frames
+        if offset < end:
+            self._buffer += view[offset:]
+        return view[:offset], frames
 
 
 def _unpadded(frame: Frame) -> memoryview:
@@ -198,6 +213,23 @@ def grpc_message(buffer: bytes | bytearray) -> tuple[bool, bytes] | None:
     if len(buffer) < GRPC_PREFIX_BYTES + length:
         return None
     return bool(buffer[0]), bytes(buffer[GRPC_PREFIX_BYTES : GRPC_PREFIX_BYTES + length])
+
+
+def only_indexed(block: bytes) -> bool:
+    """Whether an HPACK header block is made of indexed fields alone (RFC 7541 §6.1): its
+    decoding leaves the dynamic table as it was, so the same bytes mean the same headers
+    until another block changes the table."""
+    i, end = 0, len(block)
+    while i < end:
+        first = block[i]
+        if not first & 0x80:
+            return False
+        i += 1
+        if first & 0x7F == 0x7F:  # the index goes on in the next bytes (§5.1)
+            while i < end and block[i] & 0x80:
+                i += 1
+            i += 1
+    return i == end
 
 
 def encode_grpc_message(message: bytes) -> bytes:

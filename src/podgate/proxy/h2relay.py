@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -36,6 +36,8 @@ RECEIVE_BYTES: Final = 256 * 1024
 MAX_HEADER_LIST_BYTES: Final = 1024 * 1024
 # A request message read for an interception at most; a bigger one passes untouched.
 MAX_INSPECTED_MESSAGE_BYTES: Final = 1024 * 1024
+# Header blocks remembered with the :path they carry (see Relay._headers), at most.
+KNOWN_BLOCKS: Final = 256
 
 # Given the runtime's response message, the message to answer with (None: unchanged).
 Rewrite = Callable[[bytes], bytes | None]
@@ -75,42 +77,91 @@ class Relay:
         self.decoder = hpack.Decoder(max_header_list_size=MAX_HEADER_LIST_BYTES)
         self._block = bytearray()
         self._block_stream = 0
+        # Header blocks of indexed fields alone → their :path, valid while the dynamic table
+        # stays as it is: a client repeating a call sends the same few bytes each time.
+        self._known: dict[bytes, str | None] = {}
         # Bytes the client was sent beyond what the runtime's flow control counted (a grown
         # response without room to pad): taken off the client's connection window updates.
         self._owed = 0
         self._pending: set[asyncio.Future[Rewrite | None]] = set()
+        self._from_client_frames = h2.FrameSplitter(preface=True)
+        self._from_upstream_frames = h2.FrameSplitter()
+        # A direction's task is between receiving bytes and being ready for more: bytes that
+        # arrive meanwhile wait for it, so that nothing overtakes what it is passing on.
+        self._client_busy = True  # until `first` went on
+        self._upstream_busy = False
+        self._ended = asyncio.Event()  # a step run from a stream's callback ended the relay
 
     async def run(self) -> None:
-        async with asyncio.TaskGroup() as tasks:
-            up = tasks.create_task(self._client_to_upstream(), name="relay client→runtime")
-            down = tasks.create_task(self._upstream_to_client(), name="relay runtime→client")
-            await asyncio.wait({up, down}, return_when=asyncio.FIRST_COMPLETED)
-            # One side ended (or broke): the connection is over for both.
-            for task in (up, down):
-                task.cancel()
+        # The usual step of either direction runs from the stream's callback as bytes arrive
+        # (no task wake-up on the call's path); the tasks take over whenever one has to wait.
+        self.client.set_consumer(self._client_arrived)
+        self.upstream.set_consumer(self._upstream_arrived)
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                up = tasks.create_task(self._client_to_upstream(), name="relay client→runtime")
+                down = tasks.create_task(self._upstream_to_client(), name="relay runtime→client")
+                ended = tasks.create_task(self._ended.wait(), name="relay ended")
+                await asyncio.wait({up, down, ended}, return_when=asyncio.FIRST_COMPLETED)
+                # One side ended (or broke): the connection is over for both.
+                for task in (up, down, ended):
+                    task.cancel()
+        finally:
+            self.client.set_consumer(None)
+            self.upstream.set_consumer(None)
         for future in self._pending:
             future.cancel()
 
+    def _end(self, side: str, exc: Exception) -> None:
+        log.debug("relay: %s side ended: %s", side, exc)
+        self.client.set_consumer(None)
+        self.upstream.set_consumer(None)
+        self._ended.set()
+
     # -- client → runtime
 
+    def _client_arrived(self, data: bytes) -> bool:
+        if self._client_busy or self._owed or self.upstream.writing_paused:
+            return False  # to the task, which waits for the runtime's side to drain
+        try:
+            self._client_bytes(data)
+        except (StreamError, ProtocolError, hpack.HPACKError) as exc:
+            self._end("client", exc)
+        return True
+
     async def _client_to_upstream(self) -> None:
-        splitter = h2.FrameSplitter(preface=True)
         data = self.first
         try:
             while data:
-                preface, frames = splitter.feed(data)
-                out = bytearray(preface)
-                for frame in frames:
-                    out += self._from_client(frame)
-                if out:
-                    await self.upstream.send(out)
+                self._client_bytes(data)
+                await self.upstream.drain()
+                self._client_busy = False
                 data = await self.client.receive(RECEIVE_BYTES)
+                self._client_busy = True
         except (StreamError, ProtocolError, hpack.HPACKError) as exc:
             log.debug("relay: client side ended: %s", exc)
 
+    def _client_bytes(self, data: bytes) -> None:
+        whole, frames = self._from_client_frames.split(data)
+        if not self._owed:
+            # Nothing to change: the bytes go on first and are read afterwards, off the
+            # call's path. Nothing else runs before this returns, so the runtime's answer
+            # cannot overtake what the request tells the relay.
+            if whole:
+                self.upstream.write(whole)
+            for frame in frames:
+                self._from_client(frame)
+        else:
+            out = bytearray(whole[: len(whole) - sum(len(f.raw) for f in frames)])  # preface
+            for frame in frames:
+                out += self._from_client(frame)
+            self.upstream.write(out)
+
     def _from_client(self, frame: h2.Frame) -> bytes | memoryview:
         kind = frame.type
-        if kind in (h2.HEADERS, h2.CONTINUATION):
+        if kind == h2.HEADERS and frame.flags & h2.END_HEADERS:  # a whole block: the usual
+            self._headers(frame.stream_id, bytes(h2.header_fragment(frame)))
+        elif kind in (h2.HEADERS, h2.CONTINUATION):
             if kind == h2.HEADERS:
                 self._block = bytearray()
                 self._block_stream = frame.stream_id
@@ -131,15 +182,18 @@ class Relay:
         return frame.raw
 
     def _headers(self, stream_id: int, block: bytes) -> None:
-        headers = self.decoder.decode(block, raw=True)
+        if block in self._known:
+            path = self._known[block]
+        else:
+            path = _path(self.decoder.decode(block, raw=True))
+            if not h2.only_indexed(block):
+                self._known.clear()  # the dynamic table may have changed
+            elif len(self._known) < KNOWN_BLOCKS:
+                self._known[block] = path
         if stream_id in self.calls:
             return  # the client's trailers, if any
-        for name, value in headers:
-            if name == b":path":
-                method = bytes(value).decode("ascii", "replace")
-                if method in self.watched:
-                    self.calls[stream_id] = _Call(method)
-                return
+        if path is not None and path in self.watched:
+            self.calls[stream_id] = _Call(path)
 
     def _request_data(self, stream_id: int, call: _Call, frame: h2.Frame) -> None:
         call.request += h2.data_of(frame)
@@ -162,33 +216,61 @@ class Relay:
 
     # -- runtime → client
 
+    def _upstream_arrived(self, data: bytes) -> bool:
+        if self._upstream_busy or self.calls or self.client.writing_paused:
+            return False  # to the task: an answer may be held, or the client is slow
+        try:
+            self._pass_on(*self._from_upstream_frames.split(data))
+        except (StreamError, ProtocolError) as exc:
+            self._end("runtime", exc)
+        return True
+
+    def _pass_on(self, whole: memoryview, frames: list[h2.Frame]) -> None:
+        """No answer is looked into: the bytes go on as they came."""
+        if whole:
+            self.client.write(whole)
+        for frame in frames:
+            if frame.type == h2.SETTINGS:
+                self._settings(frame)
+
     async def _upstream_to_client(self) -> None:
-        splitter = h2.FrameSplitter()
         try:
             while data := await self.upstream.receive(RECEIVE_BYTES):
-                _, frames = splitter.feed(data)
-                out = bytearray()
-                for frame in frames:
-                    call = self.calls.get(frame.stream_id)
-                    held = call is not None and call.decision is not None and not call.done
-                    if held and frame.type == h2.DATA:
-                        assert call is not None
-                        if await self._response_data(frame, call, out):
-                            out = bytearray()
-                        continue
-                    if frame.type == h2.SETTINGS:
-                        size = h2.header_table_size(frame)
-                        if size is not None:
-                            self.decoder.max_allowed_table_size = size
-                    elif (
-                        frame.type == h2.HEADERS and frame.end_stream
-                    ) or frame.type == h2.RST_STREAM:
-                        self.calls.pop(frame.stream_id, None)
-                    out += frame.raw
-                if out:
-                    await self.client.send(out)
+                self._upstream_busy = True
+                whole, frames = self._from_upstream_frames.split(data)
+                if not self.calls:
+                    self._pass_on(whole, frames)
+                    await self.client.drain()
+                else:
+                    await self._look_into(frames)
+                self._upstream_busy = False
         except (StreamError, ProtocolError) as exc:
             log.debug("relay: runtime side ended: %s", exc)
+
+    async def _look_into(self, frames: list[h2.Frame]) -> None:
+        """Pass the frames on, holding the answers of intercepted calls."""
+        out = bytearray()
+        for frame in frames:
+            call = self.calls.get(frame.stream_id)
+            held = call is not None and call.decision is not None and not call.done
+            if held and frame.type == h2.DATA:
+                assert call is not None
+                if await self._response_data(frame, call, out):
+                    out = bytearray()
+                continue
+            if frame.type == h2.SETTINGS:
+                self._settings(frame)
+            elif (frame.type == h2.HEADERS and frame.end_stream) or frame.type == h2.RST_STREAM:
+                self.calls.pop(frame.stream_id, None)
+            out += frame.raw
+        if out:
+            await self.client.send(out)
+
+    def _settings(self, frame: h2.Frame) -> None:
+        size = h2.header_table_size(frame)
+        if size is not None:
+            self.decoder.max_allowed_table_size = size
+            self._known.clear()  # the next block is decoded, so a table too big is refused
 
     async def _response_data(self, frame: h2.Frame, call: _Call, out: bytearray) -> bool:
         """Hold the frame's data; once the message is whole, send what precedes it in `out`
@@ -227,6 +309,13 @@ class Relay:
         call.response = bytearray()
         await self.client.send(frames)
         return True
+
+
+def _path(headers: Iterable[tuple[bytes | str, bytes | str]]) -> str | None:
+    for name, value in headers:
+        if name == b":path":
+            return value if isinstance(value, str) else bytes(value).decode("ascii", "replace")
+    return None
 
 
 async def serve_relay(

@@ -33,9 +33,19 @@ MAX_RECONNECT_BACKOFF_MS: Final = 1000
 # Metadata gRPC itself owns; the rest is the caller's and is forwarded.
 _RESERVED_PREFIXES: Final = (":", "grpc-")
 _RESERVED_KEYS: Final = frozenset({"user-agent", "content-type", "te"})
-# runtime.v1 methods outside podgate's subset of the schema whose server streams (k8s.io/cri-api
-# v0.26+: the Evented PLEG's event stream); every other one of them is unary.
-UPSTREAM_STREAMING_METHODS: Final = frozenset({"/runtime.v1.RuntimeService/GetContainerEvents"})
+# runtime.v1 methods outside podgate's subset of the schema whose server streams (the Stream*
+# list methods of k8s.io/cri-api, feature gate CRIListStreaming); every other one of them is
+# unary. GetContainerEvents, the Evented PLEG's stream, is in the schema.
+UPSTREAM_STREAMING_METHODS: Final = frozenset(
+    {
+        "/runtime.v1.RuntimeService/StreamPodSandboxes",
+        "/runtime.v1.RuntimeService/StreamContainers",
+        "/runtime.v1.RuntimeService/StreamContainerStats",
+        "/runtime.v1.RuntimeService/StreamPodSandboxStats",
+        "/runtime.v1.RuntimeService/StreamPodSandboxMetrics",
+        "/runtime.v1.ImageService/StreamImages",
+    }
+)
 
 Metadata = Iterable[tuple[str, str | bytes]]
 # An interception: the response bytes it answers with, or None to pass the call through.

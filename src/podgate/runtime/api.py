@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
+from podgate.linux.netdev import InterfaceCounters
 from podgate.model import (
     ContainerMetadata,
     ContainerRecord,
@@ -17,6 +18,7 @@ from podgate.model import (
     PodMetadata,
     PodRecord,
 )
+from podgate.runtime.events import ContainerEvents
 
 
 class RuntimeError_(Exception):
@@ -58,6 +60,8 @@ class PodConfig:
     privileged: bool = False
     dns: dict[str, list[str]] | None = None
     sysctls: dict[str, str] = field(default_factory=dict)
+    overhead: dict[str, Any] = field(default_factory=dict)  # CRI resources, zeros left out
+    resources: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -83,6 +87,26 @@ class ContainerUsage:
     writable_mountpoint: str = ""
     writable_bytes: int = 0
     writable_inodes: int = 0
+
+
+@dataclass(slots=True)
+class PodUsage:
+    """A pod's resource use: its cgroup (every container in it), its network namespace's
+    interfaces, and each container's own usage."""
+
+    timestamp: int  # ns since the epoch
+    cpu_usage_ns: int = 0
+    cpu_nano_cores: int | None = None  # needs an earlier sample
+    memory_usage: int = 0
+    memory_working_set: int = 0
+    memory_rss: int = 0
+    memory_available: int | None = None  # only with a limit
+    page_faults: int = 0
+    major_page_faults: int = 0
+    processes: int = 0
+    default_interface: InterfaceCounters | None = None  # eth0, else the first one not loopback
+    interfaces: list[InterfaceCounters] = field(default_factory=list)  # the others
+    containers: list[tuple[ContainerRecord, ContainerUsage]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -169,10 +193,22 @@ class RuntimeApi(Protocol):
     # -- resources, stats, logs
     async def container_usage(self, container: ContainerRecord) -> ContainerUsage: ...
 
+    async def pod_usage(self, pod: PodRecord) -> PodUsage: ...
+
+    # Container lifecycle events (GetContainerEvents).
+    events: ContainerEvents
+
     async def update_container_resources(
         self, container_id: str, resources: Mapping[str, object]
     ) -> None:
         """Apply CRI LinuxContainerResources fields (zero = unchanged) and record them."""
+        ...
+
+    async def update_pod_resources(
+        self, pod_id: str, overhead: Mapping[str, object], resources: Mapping[str, object]
+    ) -> None:
+        """CRI UpdatePodSandboxResources: the pod-level resources recorded (and applied to a
+        pod cgroup podgate owns), with NRI UpdatePodSandbox / PostUpdatePodSandbox."""
         ...
 
     async def reopen_container_log(self, container_id: str) -> None:

@@ -153,6 +153,7 @@ async def running_runtime(config: RuntimeConfig) -> AsyncIterator[RunningRuntime
     try:
         yield RunningRuntime(runtime, images, target, streaming, config.cri_socket_path)
     finally:
+        await runtime.events.aclose()  # event streams end cleanly, before the server stops
         await stop_cri(cri, config.cri_socket_path)
         await puller.aclose()
         if adaptation is not None:

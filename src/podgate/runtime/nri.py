@@ -27,6 +27,10 @@ UpdateContainerResources through UpdateContainer/PostUpdateContainer) reach the 
 a `ContainerUpdater`: new limits into config.json and the live cgroup (`runc update`).
 Evictions stop the container without a StopContainer event: they arrive while the adaptation
 delivers another event, and the event would wait for that one to finish.
+
+Pod updates (CRI UpdatePodSandboxResources) are split around the runtime's change: UpdatePodSandbox
+before it (a plugin's error fails the call), PostUpdatePodSandbox after it, with the pod as it
+then is.
 """
 
 from __future__ import annotations
@@ -274,12 +278,14 @@ class RuntimeNri:
         overhead: api.LinuxResources | None,
         resources: api.LinuxResources | None,
     ) -> None:
-        """A pod's resources change (CRI UpdatePodSandboxResources): UpdatePodSandbox before
-        the change, PostUpdatePodSandbox after, as upstream."""
-        message = self.pod_message(pod)
-        await self.adaptation.update_pod_sandbox(message, overhead, resources)
+        """A pod's resources are about to change (CRI UpdatePodSandboxResources): the pod as it
+        is, the new resources beside it. A plugin's error fails the call (as containerd)."""
+        await self.adaptation.update_pod_sandbox(self.pod_message(pod), overhead, resources)
+
+    async def pod_updated(self, pod: PodRecord) -> None:
+        """The new resources are recorded: PostUpdatePodSandbox, errors only logged."""
         await self._quietly(
-            "PostUpdatePodSandbox", self.adaptation.post_update_pod_sandbox, message
+            "PostUpdatePodSandbox", self.adaptation.post_update_pod_sandbox, self.pod_message(pod)
         )
 
     # ------------------------------------------------------------------ updates (the seam)

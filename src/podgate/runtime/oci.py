@@ -22,7 +22,7 @@ import secrets
 import shutil
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -45,6 +45,21 @@ HOST_HOSTS: Final = "/etc/hosts"
 HOST_RESOLV: Final = "/etc/resolv.conf"
 # Pod files are world-readable (containers run as any user).
 POD_FILE_MODE: Final = 0o644
+
+
+def pod_limits(overhead: Mapping[str, Any], resources: Mapping[str, Any]) -> cgroups.Limits:
+    """A pod cgroup's limits from its CRI resources and overhead (absent = 0): memory and CPU
+    quota add up (unlimited when the containers' is), the quota over the containers' period."""
+    memory = int(resources.get("memory_limit_in_bytes") or 0)
+    quota = int(resources.get("cpu_quota") or 0)
+    period = int(resources.get("cpu_period") or cgroups.DEFAULT_CPU_PERIOD_US)
+    shares = int(resources.get("cpu_shares") or 0) + int(overhead.get("cpu_shares") or 0)
+    return cgroups.Limits(
+        memory=memory + int(overhead.get("memory_limit_in_bytes") or 0) if memory else 0,
+        cpu_quota=quota + int(overhead.get("cpu_quota") or 0) if quota > 0 else 0,
+        cpu_period=period,
+        cpu_shares=shares,
+    )
 
 
 class OciError(Exception):
@@ -128,6 +143,19 @@ class OciContainers:
     def remove_pod_cgroup(self, pod: PodRecord) -> None:
         if not pod.cgroup_parent:  # a parent the caller named is the caller's to remove
             cgroups.remove(self.cgroup_parent(pod))
+
+    def limit_pod_cgroup(
+        self, pod: PodRecord, overhead: Mapping[str, Any], resources: Mapping[str, Any]
+    ) -> bool:
+        """Pod-level resources onto the pod's cgroup when podgate owns it (no cgroup_parent):
+        the containers' sum plus the overhead, as the kubelet sizes the pod cgroups it owns. A
+        parent the caller named is the caller's to size (the kubelet has done so before
+        UpdatePodSandboxResources). Returns whether a cgroup was changed; OSError when the
+        kernel refuses a value."""
+        if pod.cgroup_parent:
+            return False
+        cgroups.set_limits(self.cgroup_parent(pod), pod_limits(overhead, resources))
+        return True
 
     # ------------------------------------------------------------------ containers
 

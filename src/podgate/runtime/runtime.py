@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import dataclasses
 import logging
 import os
@@ -25,6 +26,7 @@ from podgate import __version__
 from podgate.images.store import ImageStore
 from podgate.linux import holder as holder_mod
 from podgate.linux import shim as shim_mod
+from podgate.linux.netdev import read_net_dev
 from podgate.linux.proc import is_alive, read_json, signal_process
 from podgate.model import (
     ContainerMetadata,
@@ -50,9 +52,11 @@ from podgate.runtime.api import (
     InvalidArgumentError,
     NotFoundError,
     PodConfig,
+    PodUsage,
     ResourceExhaustedError,
     RuntimeCondition,
 )
+from podgate.runtime.events import ContainerEvent, ContainerEvents, ContainerEventType
 from podgate.runtime.nri import RuntimeNri
 from podgate.runtime.oci import OciContainers, OciError, discard, node_hostname
 from podgate.runtime.sandbox import lifecycle as sandbox
@@ -76,6 +80,8 @@ REOPEN_LOG_SECONDS = 5.0
 POD_STOP_GRACE_SECONDS = 2.0
 # How long a stopped process may take to disappear after SIGKILL.
 KILL_WAIT_SECONDS = 10.0
+# The interface a pod's network stats name as its default (containerd's and the CNI's eth0).
+DEFAULT_INTERFACE = "eth0"
 NSENTER = "/usr/bin/nsenter"
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
@@ -114,8 +120,11 @@ class Runtime:
         # only absolute paths (a root directory on the node) and image-less containers.
         self.images: ImageStore | None = None
         self._locks: dict[str, asyncio.Lock] = {}
-        # The last CPU reading per container: (ns since the epoch, CPU ns), for nano-cores.
+        # The last CPU reading per container and pod: (ns since the epoch, CPU ns), for
+        # nano-cores.
         self._cpu_samples: dict[str, tuple[int, int]] = {}
+        # Lifecycle events for GetContainerEvents; its poll turns unseen exits into events.
+        self.events = ContainerEvents(poll=self._refresh_all)
 
     # ------------------------------------------------------------------ startup
     def load(self) -> None:
@@ -185,6 +194,31 @@ class Runtime:
             )
             pod.state = PodState.NOTREADY
             self.store.save_pod(pod)
+            self._emit(pod.id, ContainerEventType.STOPPED, pod.id)
+
+    def _refresh_all(self) -> None:
+        self.list_pods()
+        self.list_containers()
+
+    def _emit(self, container_id: str, kind: ContainerEventType, pod_id: str) -> None:
+        """Publish an event with the pod's and its containers' state as of now."""
+        if not len(self.events):
+            return
+        pod = self.pods.get(pod_id)
+        containers = tuple(
+            copy.copy(c)
+            for c in sorted(self.containers.values(), key=lambda c: c.created_at)
+            if c.pod_id == pod_id
+        )
+        self.events.publish(
+            ContainerEvent(
+                container_id=container_id,
+                type=kind,
+                created_at=now_ns(),
+                pod=copy.copy(pod) if pod is not None else None,
+                containers=containers,
+            )
+        )
 
     def _refresh_container(self, container: ContainerRecord) -> None:
         if container.state is not ContainerState.RUNNING:
@@ -199,6 +233,7 @@ class Runtime:
                 data.get("reason") or ("Completed" if container.exit_code == 0 else "Error")
             )
             self.store.save_container(container)
+            self._emit(container.id, ContainerEventType.STOPPED, container.pod_id)
         elif (
             container.shim is not None
             and not is_alive(container.shim)
@@ -211,6 +246,7 @@ class Runtime:
             container.reason = "Unknown"
             container.message = "container shim exited without recording an exit code"
             self.store.save_container(container)
+            self._emit(container.id, ContainerEventType.STOPPED, container.pod_id)
 
     # ------------------------------------------------------------------ pods
     async def run_pod(self, config: PodConfig) -> str:
@@ -251,6 +287,8 @@ class Runtime:
             privileged=config.privileged,
             dns=config.dns,
             sysctls=dict(config.sysctls),
+            overhead=dict(config.overhead),
+            resources=dict(config.resources),
         )
         try:
             sysctls = pod_sysctls(
@@ -292,6 +330,9 @@ class Runtime:
             self.store.ensure_dir(log_dir)
             self.pods[pod_id] = pod
             self.store.save_pod(pod)
+            # containerd sends both for a sandbox, with the sandbox's ID as the container's.
+            self._emit(pod_id, ContainerEventType.CREATED, pod_id)
+            self._emit(pod_id, ContainerEventType.STARTED, pod_id)
         log.info(
             "pod %s/%s running as %s",
             meta.namespace,
@@ -323,8 +364,11 @@ class Runtime:
             if pod.holder is not None:
                 await holder_mod.stop_holder(pod.holder)
             self.oci.release_pod(pod, self.store.run_path(pod.id))
+            was_ready = pod.state is PodState.READY
             pod.state = PodState.NOTREADY
             self.store.save_pod(pod)
+            if was_ready:
+                self._emit(pod.id, ContainerEventType.STOPPED, pod.id)
 
     async def remove_pod(self, pod_id: str) -> None:
         try:
@@ -337,7 +381,9 @@ class Runtime:
         if self.nri is not None:
             await self.nri.pod_removed(pod)
         self.pods.pop(pod.id, None)
+        self._cpu_samples.pop(pod.id, None)
         self.store.delete_pod(pod.id)
+        self._emit(pod.id, ContainerEventType.DELETED, pod.id)
         self.oci.remove_pod_cgroup(pod)
         self.store.remove_run_path(pod.id)
 
@@ -460,6 +506,7 @@ class Runtime:
             container.user = self.oci.user(run)
         self.containers[container_id] = container
         self.store.save_container(container)
+        self._emit(container_id, ContainerEventType.CREATED, pod.id)
         if self.nri is not None:
             await self.nri.container_created(pod, container)
         return container_id
@@ -518,12 +565,14 @@ class Runtime:
                 container.reason = "StartError"
                 container.message = str(exc)
                 self.store.save_container(container)
+                self._emit(container.id, ContainerEventType.STOPPED, pod.id)
                 raise FailedPreconditionError(f"failed to start container: {exc}") from exc
             container.shim = ready.shim
             container.process = ready.process
             container.started_at = now_ns()
             container.state = ContainerState.RUNNING
             self.store.save_container(container)
+            self._emit(container.id, ContainerEventType.STARTED, pod.id)
         if self.nri is not None:
             await self.nri.container_started(pod, container)
 
@@ -541,6 +590,7 @@ class Runtime:
             container.finished_at = now_ns()
             container.reason = "Stopped"
             self.store.save_container(container)
+            self._emit(container.id, ContainerEventType.STOPPED, container.pod_id)
             return
         if container.state is not ContainerState.RUNNING or container.process is None:
             return
@@ -573,6 +623,7 @@ class Runtime:
         async with self._lock(container.id):
             await self._stop_container(container, 0)
             self.containers.pop(container.id, None)
+            self._cpu_samples.pop(container.id, None)
             self.store.delete_container(container.id)
             if container.spec.rootfs:
                 await asyncio.to_thread(
@@ -582,6 +633,7 @@ class Runtime:
                 await self._release_image(container.id)
             # Log files are the caller's (the kubelet deletes them), as containerd leaves them.
             self.store.remove_run_path(container.id)
+            self._emit(container.id, ContainerEventType.DELETED, container.pod_id)
         pod = self.pods.get(container.pod_id)
         if self.nri is not None and pod is not None:
             await self.nri.container_removed(pod, container)
@@ -667,12 +719,7 @@ class Runtime:
         upper = self.oci.bundle_dir(run) / "upper"
         used, inodes = await asyncio.to_thread(overlay.disk_usage, str(upper))
         limit = await asyncio.to_thread(cgroups.memory_limit, cgroup)
-        previous = self._cpu_samples.get(container.id)
-        self._cpu_samples[container.id] = (sample.timestamp, sample.cpu_usage_ns)
-        nano_cores = None
-        if previous is not None and sample.timestamp > previous[0]:
-            delta = max(sample.cpu_usage_ns - previous[1], 0)
-            nano_cores = delta * 1_000_000_000 // (sample.timestamp - previous[0])
+        nano_cores = self._nano_cores(container.id, sample)
         return ContainerUsage(
             timestamp=sample.timestamp,
             cpu_usage_ns=sample.cpu_usage_ns,
@@ -686,6 +733,44 @@ class Runtime:
             writable_mountpoint=str(upper),
             writable_bytes=used,
             writable_inodes=inodes,
+        )
+
+    def _nano_cores(self, key: str, sample: cgroups.CgroupStats) -> int | None:
+        """CPU use since the previous sample of `key`, in nano-cores (None the first time)."""
+        previous = self._cpu_samples.get(key)
+        self._cpu_samples[key] = (sample.timestamp, sample.cpu_usage_ns)
+        if previous is None or sample.timestamp <= previous[0]:
+            return None
+        delta = max(sample.cpu_usage_ns - previous[1], 0)
+        return delta * 1_000_000_000 // (sample.timestamp - previous[0])
+
+    async def pod_usage(self, pod: PodRecord) -> PodUsage:
+        """CPU, memory and processes from the pod's cgroup (its containers with a root are
+        under it), the counters of its network namespace's interfaces, each container's usage.
+        A pod that is not ready has no network namespace left: no interfaces."""
+        sample = await asyncio.to_thread(cgroups.stats, self.oci.cgroup_parent(pod))
+        limit = await asyncio.to_thread(cgroups.memory_limit, self.oci.cgroup_parent(pod))
+        interfaces = []
+        ns_process = pod.ns_process if pod.state is PodState.READY else None
+        if ns_process is not None and pod.network_mode is not NamespaceMode.NODE:
+            interfaces = await asyncio.to_thread(read_net_dev, ns_process.pid)
+        default = next((i for i in interfaces if i.name == DEFAULT_INTERFACE), None) or next(
+            (i for i in interfaces if i.name != "lo"), None
+        )
+        return PodUsage(
+            timestamp=sample.timestamp,
+            cpu_usage_ns=sample.cpu_usage_ns,
+            cpu_nano_cores=self._nano_cores(pod.id, sample),
+            memory_usage=sample.memory_usage,
+            memory_working_set=sample.memory_working_set,
+            memory_rss=sample.memory_rss,
+            memory_available=max(limit - sample.memory_working_set, 0) if limit else None,
+            page_faults=sample.page_faults,
+            major_page_faults=sample.major_page_faults,
+            processes=sample.pids,
+            default_interface=default,
+            interfaces=[i for i in interfaces if i is not default],
+            containers=[(c, await self.container_usage(c)) for c in self.pod_containers(pod.id)],
         )
 
     async def update_container_resources(
@@ -734,6 +819,41 @@ class Runtime:
                 raise FailedPreconditionError(str(exc)) from exc
             container.spec.resources = merged
             self.store.save_container(container)
+
+    async def update_pod_resources(
+        self, pod_id: str, overhead: Mapping[str, object], resources: Mapping[str, object]
+    ) -> None:
+        """containerd's order: NRI UpdatePodSandbox (the pod as it is, the new resources beside
+        it; a plugin's error fails the call and changes nothing), then the change, then
+        PostUpdatePodSandbox with the pod as it now is. The request is the whole pod-level
+        state: what it leaves out is no longer set."""
+        pod = self.get_pod(pod_id)
+        new_overhead = {k: v for k, v in overhead.items() if v}
+        new_resources = {k: v for k, v in resources.items() if v}
+        if self.nri is not None:
+            try:
+                await self.nri.pod_updating(
+                    pod,
+                    nri_resources(new_overhead) if new_overhead else None,
+                    nri_resources(new_resources) if new_resources else None,
+                )
+            except Exception as exc:
+                raise FailedPreconditionError(f"NRI UpdatePodSandbox failed: {exc}") from exc
+        async with self._lock(pod.id):
+            # A sandboxed pod's containers run in its guest, not under this cgroup.
+            if pod.state is PodState.READY and not sandbox.is_sandboxed(pod):
+                try:
+                    await asyncio.to_thread(
+                        self.oci.limit_pod_cgroup, pod, new_overhead, new_resources
+                    )
+                except OSError as exc:
+                    raise FailedPreconditionError(
+                        f"failed to set the pod's cgroup limits: {exc}"
+                    ) from exc
+            pod.overhead, pod.resources = new_overhead, new_resources
+            self.store.save_pod(pod)
+        if self.nri is not None:
+            await self.nri.pod_updated(pod)
 
     async def apply_resources(self, container_id: str, resources: dict[str, Any]) -> None:
         """An NRI container update: a partial OCI `linux.resources` into config.json and, for

@@ -37,6 +37,9 @@ class SessionHooks:
 
     #: bytes per second each way for each stream; None = unlimited
     max_bytes_per_sec: float | None = None
+    #: forwarded connections one port-forward session may carry at once; None = the SPDY
+    #: session's default stream cap
+    max_forwards: int | None = None
 
     def negotiated(self, transport: str, protocol: str) -> None:
         """The upgrade was accepted with this transport and subprotocol."""

@@ -11,7 +11,7 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
-from podgate.aio.spdy import SpdySession
+from podgate.aio.spdy import MAX_STREAMS_PER_SESSION, SpdySession
 from podgate.aio.streams import SocketStream, Wire
 from podgate.aio.tasks import cancel_and_wait
 from podgate.aio.wschannel import ChannelSession, TunnelWire
@@ -41,6 +41,10 @@ from podgate.streaming.remotecommand import serve_spdy_exec, serve_ws_exec
 from podgate.streaming.target import ExecIO, PodRef, StreamTarget
 
 log = logging.getLogger(__name__)
+
+# Stream pairs a port-forward session may hold beyond its forward cap while they are opened
+# (kubectl sends the error stream, then the data stream) or closed (both ends must finish).
+PAIRS_IN_FLIGHT = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +149,7 @@ async def serve_stream(
             idle_timeout=idle_timeout,
             flow_control_window=window,
             name=label,
+            max_streams=_stream_cap(what),
         )
         if what.kind is StreamKind.PORTFORWARD:
             server = SpdyPortForwardServer(
@@ -186,6 +191,15 @@ async def serve_stream(
         return None
     assert options is not None
     return await serve_ws_exec(channels, options, run)
+
+
+def _stream_cap(what: StreamRequest) -> int:
+    """The session's stream cap: when the hooks set forwards per session, a data and an
+    error stream per forward and room for pairs still being opened or closed."""
+    forwards = what.hooks.max_forwards
+    if what.kind is not StreamKind.PORTFORWARD or forwards is None:
+        return MAX_STREAMS_PER_SESSION
+    return 2 * (forwards + PAIRS_IN_FLIGHT)
 
 
 def _limited(io: ExecIO, hooks: SessionHooks) -> ExecIO:

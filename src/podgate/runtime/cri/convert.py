@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from podgate.cri import api_pb2 as pb
+from podgate.linux.netdev import InterfaceCounters
 from podgate.model import (
     ContainerMetadata,
     ContainerRecord,
@@ -22,7 +23,14 @@ from podgate.model import (
     PodRecord,
     PodState,
 )
-from podgate.runtime.api import ContainerUsage, InvalidArgumentError, PodConfig, RuntimeCondition
+from podgate.runtime.api import (
+    ContainerUsage,
+    InvalidArgumentError,
+    PodConfig,
+    PodUsage,
+    RuntimeCondition,
+)
+from podgate.runtime.events import ContainerEvent, ContainerEventType
 
 # Ports are 16-bit and port 0 cannot be connected to.
 MIN_PORT = 1
@@ -43,6 +51,12 @@ _NAMESPACE_MODES: dict[NamespaceMode, pb.NamespaceMode.ValueType] = {
     NamespaceMode.CONTAINER: pb.CONTAINER,
     NamespaceMode.NODE: pb.NODE,
     NamespaceMode.TARGET: pb.TARGET,
+}
+_EVENT_TYPES: dict[ContainerEventType, pb.ContainerEventType.ValueType] = {
+    ContainerEventType.CREATED: pb.CONTAINER_CREATED_EVENT,
+    ContainerEventType.STARTED: pb.CONTAINER_STARTED_EVENT,
+    ContainerEventType.STOPPED: pb.CONTAINER_STOPPED_EVENT,
+    ContainerEventType.DELETED: pb.CONTAINER_DELETED_EVENT,
 }
 _NAMESPACE_MODES_FROM_PB = {value: mode for mode, value in _NAMESPACE_MODES.items()}
 
@@ -144,6 +158,8 @@ def pod_config(request: pb.RunPodSandboxRequest) -> PodConfig:
             else None
         ),
         sysctls=dict(config.linux.sysctls),
+        overhead=resources(config.linux.overhead),
+        resources=resources(config.linux.resources),
     )
 
 
@@ -480,6 +496,63 @@ def container_stats(record: ContainerRecord, usage: ContainerUsage) -> pb.Contai
             used_bytes=_u64(usage.writable_bytes),
             inodes_used=_u64(usage.writable_inodes),
         ),
+    )
+
+
+def _interface(counters: InterfaceCounters) -> pb.NetworkInterfaceUsage:
+    return pb.NetworkInterfaceUsage(
+        name=counters.name,
+        rx_bytes=_u64(counters.rx_bytes),
+        rx_errors=_u64(counters.rx_errors),
+        tx_bytes=_u64(counters.tx_bytes),
+        tx_errors=_u64(counters.tx_errors),
+    )
+
+
+def pod_sandbox_stats(record: PodRecord, usage: PodUsage) -> pb.PodSandboxStats:
+    default = usage.default_interface
+    return pb.PodSandboxStats(
+        attributes=pb.PodSandboxAttributes(
+            id=record.id,
+            metadata=pod_metadata(record.metadata),
+            labels=record.labels,
+            annotations=record.annotations,
+        ),
+        linux=pb.LinuxPodSandboxStats(
+            cpu=pb.CpuUsage(
+                timestamp=usage.timestamp,
+                usage_core_nano_seconds=_u64(usage.cpu_usage_ns),
+                usage_nano_cores=_u64(usage.cpu_nano_cores),
+            ),
+            memory=pb.MemoryUsage(
+                timestamp=usage.timestamp,
+                working_set_bytes=_u64(usage.memory_working_set),
+                available_bytes=_u64(usage.memory_available),
+                usage_bytes=_u64(usage.memory_usage),
+                rss_bytes=_u64(usage.memory_rss),
+                page_faults=_u64(usage.page_faults),
+                major_page_faults=_u64(usage.major_page_faults),
+            ),
+            network=pb.NetworkUsage(
+                timestamp=usage.timestamp,
+                default_interface=_interface(default) if default is not None else None,
+                interfaces=[_interface(i) for i in usage.interfaces],
+            ),
+            process=pb.ProcessUsage(timestamp=usage.timestamp, process_count=_u64(usage.processes)),
+            containers=[container_stats(c, u) for c, u in usage.containers],
+        ),
+    )
+
+
+def container_event(event: ContainerEvent) -> pb.ContainerEventResponse:
+    """An event as containerd sends it: the pod's status and all its containers' statuses
+    as they were when it happened (no pod status once the pod is gone)."""
+    return pb.ContainerEventResponse(
+        container_id=event.container_id,
+        container_event_type=_EVENT_TYPES[event.type],
+        created_at=event.created_at,
+        pod_sandbox_status=pod_sandbox_status(event.pod) if event.pod is not None else None,
+        containers_statuses=[container_status(c) for c in event.containers],
     )
 
 

@@ -2,6 +2,8 @@
 
 Every servicer method is wrapped with `cri_method`. A domain error becomes its status code with
 the error's message as details; anything else becomes INTERNAL and is logged with its traceback.
+A method podgate does not serve answers UNIMPLEMENTED and is logged once per method name with
+the reason (a kubelet retries such calls for ever; one line tells the operator why).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, TypeAlias, TypeVar
+from typing import Any, Final, NoReturn, TypeAlias, TypeVar
 
 import grpc
 import grpc.aio
@@ -45,6 +47,9 @@ ERROR_CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (UnpackError, grpc.StatusCode.FAILED_PRECONDITION),
     (registry.RegistryError, grpc.StatusCode.UNKNOWN),
 )
+
+# Distinct method names logged as unimplemented; a client inventing names cannot grow it further.
+MAX_LOGGED_UNIMPLEMENTED: Final = 256
 
 _Servicer = TypeVar("_Servicer")
 _Request = TypeVar("_Request")
@@ -86,3 +91,46 @@ def cri_method(
         return response
 
     return wrapper
+
+
+class UnimplementedLog:
+    """Logs the first UNIMPLEMENTED answer per method name (later ones at debug level)."""
+
+    def __init__(self) -> None:
+        self._logged: set[str] = set()
+
+    def note(self, method: str, reason: str) -> None:
+        if method in self._logged or len(self._logged) >= MAX_LOGGED_UNIMPLEMENTED:
+            log.debug("cri %s: UNIMPLEMENTED: %s", method, reason)
+            return
+        self._logged.add(method)
+        log.warning("cri %s: UNIMPLEMENTED: %s (logged once per method)", method, reason)
+
+    async def abort(
+        self, context: Context, method: str, reason: str, details: str = ""
+    ) -> NoReturn:
+        """Answer UNIMPLEMENTED with `details` (default: the reason), noting the reason."""
+        self.note(method, reason)
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, details or reason)
+
+
+class _Unimplemented(grpc.GenericRpcHandler):
+    """Answers every method no servicer registered (asked after the registered ones)."""
+
+    def __init__(self, logged: UnimplementedLog) -> None:
+        self._logged = logged
+
+    def service(
+        self, handler_call_details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        method = str(handler_call_details.method)
+        reason = f"method {method} is not served by podgate (outside its CRI v1 subset)"
+
+        async def answer(request: bytes, context: Context) -> bytes:
+            await self._logged.abort(context, method, reason)
+
+        return grpc.unary_unary_rpc_method_handler(answer)
+
+
+def unimplemented_handler(logged: UnimplementedLog) -> grpc.GenericRpcHandler:
+    return _Unimplemented(logged)

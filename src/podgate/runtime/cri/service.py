@@ -10,10 +10,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import logging
 import os
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 import grpc
@@ -24,6 +25,7 @@ from podgate.cri import api_pb2_grpc as pb_grpc
 from podgate.images.config import Credentials
 from podgate.images.reference import InvalidReferenceError, parse_normalized
 from podgate.images.store import ImageRecord, ImageStore
+from podgate.model import PodState
 from podgate.runtime.api import (
     DeadlineExceededError,
     InvalidArgumentError,
@@ -31,7 +33,15 @@ from podgate.runtime.api import (
     RuntimeApi,
 )
 from podgate.runtime.cri import convert
-from podgate.runtime.cri.errors import Context, cri_method
+from podgate.runtime.cri.errors import (
+    Context,
+    UnimplementedLog,
+    cri_method,
+    unimplemented_handler,
+)
+from podgate.runtime.events import SubscriberLaggedError
+
+log = logging.getLogger(__name__)
 
 # The kubelet API version podgate speaks (VersionResponse.version).
 KUBELET_API_VERSION = "0.1.0"
@@ -91,6 +101,17 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
         return pb.RuntimeConfigResponse(
             linux=pb.LinuxRuntimeConfiguration(cgroup_driver=pb.CGROUPFS)
         )
+
+    @cri_method
+    async def UpdatePodSandboxResources(
+        self, request: pb.UpdatePodSandboxResourcesRequest, context: Context
+    ) -> pb.UpdatePodSandboxResourcesResponse:
+        await self.runtime.update_pod_resources(
+            convert.require(request.pod_sandbox_id, "pod_sandbox_id"),
+            convert.resources(request.overhead),
+            convert.resources(request.resources),
+        )
+        return pb.UpdatePodSandboxResourcesResponse()
 
     @cri_method
     async def UpdateRuntimeConfig(
@@ -277,6 +298,48 @@ class RuntimeServicer(pb_grpc.RuntimeServiceServicer):
         ]
         return pb.ListContainerStatsResponse(stats=stats)
 
+    @cri_method
+    async def PodSandboxStats(
+        self, request: pb.PodSandboxStatsRequest, context: Context
+    ) -> pb.PodSandboxStatsResponse:
+        pod = self.runtime.get_pod(convert.require(request.pod_sandbox_id, "pod_sandbox_id"))
+        usage = await self.runtime.pod_usage(pod)
+        return pb.PodSandboxStatsResponse(stats=convert.pod_sandbox_stats(pod, usage))
+
+    @cri_method
+    async def ListPodSandboxStats(
+        self, request: pb.ListPodSandboxStatsRequest, context: Context
+    ) -> pb.ListPodSandboxStatsResponse:
+        # Ready pods only: a stopped pod's cgroup and network namespace are gone.
+        flt = request.filter
+        pods = [p for p in self.runtime.list_pods() if p.state is PodState.READY]
+        if flt.id:
+            pod_id = self._resolve_pod_id(flt.id)
+            pods = [p for p in pods if p.id == pod_id]
+        pods = [p for p in pods if convert.matches_selector(p.labels, flt.label_selector)]
+        stats = [convert.pod_sandbox_stats(p, await self.runtime.pod_usage(p)) for p in pods]
+        return pb.ListPodSandboxStatsResponse(stats=stats)
+
+    async def GetContainerEvents(
+        self, request: pb.GetEventsRequest, context: Context
+    ) -> AsyncIterator[pb.ContainerEventResponse]:
+        """Every lifecycle event from now on, in order, until the client leaves or the
+        runtime shuts down (the stream then ends with OK). A client too slow to keep up is
+        dropped with RESOURCE_EXHAUSTED (runtime/events.py)."""
+        sub = self.runtime.events.subscribe()
+        log.info("cri GetContainerEvents: subscriber joined (%d now)", len(self.runtime.events))
+        try:
+            # Headers now: a client that has them knows it is subscribed.
+            await context.send_initial_metadata(())
+            while (event := await sub.next()) is not None:
+                yield convert.container_event(event)
+        except SubscriberLaggedError as exc:
+            log.warning("cri GetContainerEvents: %s", exc)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        finally:
+            sub.close()
+            log.info("cri GetContainerEvents: subscriber left (%d now)", len(self.runtime.events))
+
     # ------------------------------------------------------------------ exec, attach, port-forward
 
     @cri_method
@@ -389,11 +452,16 @@ class ImageServicer(pb_grpc.ImageServiceServicer):
     """
 
     def __init__(
-        self, images: ImageStore, puller: Puller | None = None, clock: Clock = time.time_ns
+        self,
+        images: ImageStore,
+        puller: Puller | None = None,
+        clock: Clock = time.time_ns,
+        unimplemented: UnimplementedLog | None = None,
     ) -> None:
         self.images = images
         self.puller = puller
         self.clock = clock
+        self.unimplemented = unimplemented or UnimplementedLog()
 
     @cri_method
     async def ListImages(
@@ -424,8 +492,11 @@ class ImageServicer(pb_grpc.ImageServiceServicer):
         self, request: pb.PullImageRequest, context: Context
     ) -> pb.PullImageResponse:
         if self.puller is None:
-            await context.abort(
-                grpc.StatusCode.UNIMPLEMENTED,
+            await self.unimplemented.abort(
+                context,
+                "/runtime.v1.ImageService/PullImage",
+                "this runtime has no registry client configured; cannot pull images "
+                "(load them with `podgate images import`)",
                 f"this runtime has no registry client configured; cannot pull "
                 f"{request.image.image!r} (load images with `podgate images import`)",
             )
@@ -488,7 +559,12 @@ async def serve_cri(
         ]
     )
     pb_grpc.add_RuntimeServiceServicer_to_server(RuntimeServicer(runtime), server)
-    pb_grpc.add_ImageServiceServicer_to_server(ImageServicer(images, puller), server)
+    unimplemented = UnimplementedLog()
+    pb_grpc.add_ImageServiceServicer_to_server(
+        ImageServicer(images, puller, unimplemented=unimplemented), server
+    )
+    # Methods outside podgate's schema: UNIMPLEMENTED, logged once per method name.
+    server.add_generic_rpc_handlers((unimplemented_handler(unimplemented),))
     # The socket is bound here; the umask keeps it private from its first moment.
     old_umask = os.umask(0o777 & ~SOCKET_MODE)
     try:

@@ -25,6 +25,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -41,8 +42,10 @@ from rich.console import Console
 
 from bench.authflood import percentile
 from bench.portforward import find_kubectl
-from bench.procs import ChildError, ProcessSet, cpu_seconds
+from bench.procs import Child, ChildError, ProcessSet, cpu_seconds
 from bench.report import SectionTables, markdown_tables, print_tables
+from podgate.linux.proc import signal_process
+from podgate.model import ProcessRef
 from podgate.node.pki import write_kubeconfig
 
 REPO: Final = Path(__file__).resolve().parents[1]
@@ -67,6 +70,8 @@ serve({ECHO_PORT}, echo)
 READY_LINE: Final = r"podgate ready api=https://127\.0\.0\.1:(\d+) kubeconfig=(\S+)"
 # From starting `podgate up` to its ready line.
 UP_READY_SECONDS: Final = 90.0
+# After SIGTERM, how long `podgate up` may take to remove its pod (then SIGKILL).
+UP_STOP_SECONDS: Final = 60.0
 # Bound on one kubectl exec, and on kubectl port-forward getting ready.
 KUBECTL_TIMEOUT_SECONDS: Final = 60.0
 # The issue's bounds: exec p99 during the flood, RSS growth (flood and soak).
@@ -247,9 +252,50 @@ class Up:
         return str(path)
 
 
+def stop_up(up: Child) -> None:
+    """SIGTERM and UP_STOP_SECONDS for `podgate up` to remove its pod (the bench's usual 5 s
+    are too short after many connections), then SIGKILL."""
+    if up.proc.poll() is None:
+        up.proc.send_signal(signal.SIGTERM)
+        try:
+            up.proc.wait(UP_STOP_SECONDS)
+        except subprocess.TimeoutExpired:
+            up.proc.kill()
+            up.proc.wait()
+
+
+def _remove_state(root: Path) -> None:
+    """Whatever `podgate up` left under `root` (it was killed, or failed to stop a pod):
+    the processes its state records (pid and start time, so a reused pid is never hit),
+    those naming the directory, its mounts, then the directory."""
+    for kind in ("pods", "containers"):
+        for path in sorted((root / "s" / kind).glob("*.json")):
+            with contextlib.suppress(OSError, ValueError, TypeError):
+                record = json.loads(path.read_text())
+                for key in ("process", "shim", "ns_process", "holder"):
+                    if record.get(key):
+                        signal_process(ProcessRef(**record[key]), signal.SIGKILL)
+    mark = str(root).encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        with contextlib.suppress(OSError):
+            if mark in (entry / "cmdline").read_bytes():
+                os.kill(int(entry.name), signal.SIGKILL)
+    mounts = [
+        line.split()[1]
+        for line in Path("/proc/mounts").read_text().splitlines()
+        if line.split()[1].startswith(f"{root}/")
+    ]
+    for target in sorted(mounts, key=len, reverse=True):
+        subprocess.run(["umount", "-l", target], check=False, capture_output=True)
+    shutil.rmtree(root, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def running_up(procs: ProcessSet) -> Iterator[Up]:
     root = Path(tempfile.mkdtemp(prefix="pgab", dir="/tmp"))  # short: unix socket paths
+    up: Child | None = None
     try:
         examples = root / "ex"
         examples.mkdir()
@@ -282,7 +328,11 @@ def running_up(procs: ProcessSet) -> Iterator[Up]:
         ca = str(node / "pki" / "ca.crt")
         yield Up(up.pid, int(match[1]), match[2], ca, token, env, root, up.err_path)
     finally:
-        shutil.rmtree(root, ignore_errors=True)
+        try:
+            if up is not None:
+                stop_up(up)
+        finally:
+            _remove_state(root)
 
 
 def start_flooders(procs: ProcessSet, up: Up, count: int, seconds: float) -> list[Any]:

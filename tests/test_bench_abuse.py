@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,8 +15,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.abuse import RSS_BOUND_BYTES  # noqa: E402
+from bench.abuse import RSS_BOUND_BYTES, STALL_PORT  # noqa: E402
 
+from process_support import processes_mentioning  # noqa: E402
 from test_bench_smoke import run_bench  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.privileged]
@@ -33,10 +35,18 @@ SOAK_SIZE = "256M"
 SOAK_CONNECTION_SIZE = "4M"
 
 
+# In the command line of the `data` pod's server and of nothing else.
+POD_SERVER_MARK = f"args=({STALL_PORT}, held.append)"
+
+
 @pytest.fixture(autouse=True)
-def _root() -> None:
+def _root() -> Iterator[None]:
     if os.geteuid() != 0:
         pytest.skip("podgate up runs pods in Linux namespaces: needs root")
+    yield
+    # The bench stopped `podgate up` in time for it to remove its pod: nothing is left.
+    assert processes_mentioning(POD_SERVER_MARK) == []
+    assert processes_mentioning("/tmp/pgab") == []
 
 
 def test_ping_flood_beside_kubectl_exec(tmp_path: Path) -> None:

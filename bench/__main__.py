@@ -18,9 +18,11 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from rich.console import Console
 
+from bench import abuse as bench_abuse
 from bench import authflood as bench_authflood
 from bench import containerd as bench_containerd
 from bench import forward as bench_forward
@@ -231,6 +233,48 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"length of the anonymous flood (default {bench_authflood.FLOOD_SECONDS:g})",
     )
     parser.add_argument(
+        "--pingflood",
+        action="store_true",
+        help="also time kubectl exec through `podgate up` quiet and while another user floods "
+        "SPDY PINGs; the RSS growth over the flood (as root; off by default)",
+    )
+    parser.add_argument(
+        "--pingflood-execs",
+        type=int,
+        default=bench_abuse.EXECS,
+        help=f"kubectl execs per period of the PING flood part (default {bench_abuse.EXECS})",
+    )
+    parser.add_argument(
+        "--soak",
+        action="store_true",
+        help="also soak `podgate up` with kubectl port-forwards and connection churn beside a "
+        "PING flood and a never-reading pod, sha256 per connection (as root; off by default)",
+    )
+    parser.add_argument(
+        "--soak-forwards",
+        type=int,
+        default=bench_abuse.SOAK_FORWARDS,
+        help=f"concurrent kubectl port-forwards of the soak (default {bench_abuse.SOAK_FORWARDS})",
+    )
+    parser.add_argument(
+        "--soak-size",
+        type=parse_size,
+        default=bench_abuse.SOAK_TOTAL_BYTES,
+        help="bytes the soak moves, both directions counted (default 10G)",
+    )
+    parser.add_argument(
+        "--soak-connection-size",
+        type=parse_size,
+        default=bench_abuse.SOAK_CONNECTION_BYTES,
+        help="bytes echoed per soak connection (default 8M)",
+    )
+    parser.add_argument(
+        "--soak-seconds",
+        type=float,
+        default=bench_abuse.SOAK_SECONDS,
+        help=f"time bound of the soak (default {bench_abuse.SOAK_SECONDS:g})",
+    )
+    parser.add_argument(
         "--manyforwards",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -355,6 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     manyforwards = None
     with_proxy = args.proxy if args.proxy is not None else os.geteuid() == 0
     proxy = None
+    abuse: dict[str, Any] = {}
     try:
         if args.startup_runs > 0:
             startup = bench_startup.run_startup(args.startup_runs, progress)
@@ -388,6 +433,21 @@ def main(argv: list[str] | None = None) -> int:
             authflood = bench_authflood.run_authflood(
                 args.kubectl, progress, args.authflood_seconds
             )
+        if args.pingflood:
+            ping = bench_abuse.run_pingflood(args.kubectl, progress, args.pingflood_execs)
+            if ping is not None:
+                abuse["pingflood"] = ping
+        if args.soak:
+            soak = bench_abuse.run_soak(
+                args.kubectl,
+                progress,
+                forwards=args.soak_forwards,
+                total=args.soak_size,
+                connection_bytes=args.soak_connection_size,
+                seconds=args.soak_seconds,
+            )
+            if soak is not None:
+                abuse["soak"] = soak
         if with_manyforwards:
             manyforwards = bench_manyforwards.run_manyforwards(
                 args.kubectl, progress, per_user=args.manyforwards_conns
@@ -423,6 +483,8 @@ def main(argv: list[str] | None = None) -> int:
         data["manyforwards"] = manyforwards
     if proxy is not None:
         data["proxy"] = proxy
+    if abuse:
+        data["abuse"] = abuse
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(data, indent=1) + "\n")
     md_path = args.markdown or args.json.with_suffix(".md")
@@ -438,6 +500,7 @@ def main(argv: list[str] | None = None) -> int:
         + ("\n" + bench_authflood.markdown(authflood) if authflood is not None else "")
         + ("\n" + bench_manyforwards.markdown(manyforwards) if manyforwards is not None else "")
         + ("\n" + bench_proxy.markdown(proxy) if proxy is not None else "")
+        + ("\n" + bench_abuse.markdown(abuse) if abuse else "")
     )
     print_report(data, console)
     if runtime is not None:
@@ -460,6 +523,8 @@ def main(argv: list[str] | None = None) -> int:
         bench_manyforwards.print_report(manyforwards, console)
     if proxy is not None:
         bench_proxy.print_report(proxy, console)
+    if abuse:
+        bench_abuse.print_report(abuse, console)
     console.print(f"results: {args.json} and {md_path}")
     failed = [s for s in data["summary"]["throughput"] + data["summary"]["conns"] if s["errors"]]
     if gateway is not None and bench_gateway.failed(gateway):
@@ -477,6 +542,8 @@ def main(argv: list[str] | None = None) -> int:
     if manyforwards is not None and bench_manyforwards.failed(manyforwards):
         return 1
     if proxy is not None and bench_proxy.failed(proxy):
+        return 1
+    if abuse and bench_abuse.failed(abuse):
         return 1
     return 1 if failed or (runtime is not None and bench_runtime.failed(runtime)) else 0
 

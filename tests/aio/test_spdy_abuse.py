@@ -19,14 +19,14 @@ from podgate.aio.spdy import (
     CONTROL_FRAME_BURST,
     MAX_QUEUED_BYTES_PER_STREAM,
     MAX_STREAMS_PER_SESSION,
-    STALLED_STREAM_RESET_SECONDS,
+    PARSE_SLICE_BYTES,
     SpdySession,
     SpdyStream,
 )
 from podgate.aio.streams import SocketStream
 from podgate.aio.wschannel import TunnelWire
 from podgate.proto.spdy import GoAwayReceived, Role, SpdyConnection, StreamReset
-from podgate.proto.spdy.events import Event, PingAcknowledged, StreamReplied
+from podgate.proto.spdy.events import Event, PingAcknowledged, PingReceived, StreamReplied
 from podgate.proto.spdy.frames import GoAwayStatus, RstStatus, encode_ping
 from podgate.proto.wschannel import Role as WsRole
 from podgate.proto.wschannel import TunnelConnection
@@ -34,6 +34,9 @@ from podgate.proto.wschannel import TunnelConnection
 PROMPT_SECONDS = 20.0
 # Far above the burst: what a flooding client sends in well under a second.
 FLOOD_PINGS = 20 * CONTROL_FRAME_BURST
+PING_FRAME_BYTES = len(encode_ping(1))
+# The stall limit of the session under test: short, so the test does not wait the default.
+STALL_LIMIT_SECONDS = 2.0
 
 
 class Peer:
@@ -95,6 +98,29 @@ async def test_ping_flood_gets_goaway_instead_of_echoes(
     assert server.done.is_set()
 
 
+async def test_ping_flood_is_refused_before_a_whole_read_is_parsed(
+    served: tuple[SpdySession, Peer, list[SpdyStream]],
+) -> None:
+    """Each slice of a read is charged to the budget before the next is parsed: the flood
+    costs the session the burst plus one slice of parsed PINGs, not whole reads of them."""
+    server, peer, _ = served
+    parsed = 0
+    receive_data = server._core.receive_data
+
+    def counting(data: bytes) -> list[Event]:
+        nonlocal parsed
+        events = receive_data(data)
+        parsed += sum(isinstance(e, PingReceived) for e in events)
+        return events
+
+    server._core.receive_data = counting  # type: ignore[method-assign]
+    await peer.wire.send(b"".join(encode_ping(2 * i + 1) for i in range(FLOOD_PINGS)))
+    await peer.read_all()
+    assert any(isinstance(e, GoAwayReceived) for e in peer.events)
+    one_slice = PARSE_SLICE_BYTES // PING_FRAME_BYTES + 1
+    assert CONTROL_FRAME_BURST < parsed <= CONTROL_FRAME_BURST + 2 * one_slice, parsed
+
+
 async def test_pings_at_client_go_rate_are_all_answered(
     served: tuple[SpdySession, Peer, list[SpdyStream]],
 ) -> None:
@@ -152,7 +178,7 @@ async def test_tunnel_closed_under_a_writer_is_a_stream_error_not_a_traceback() 
 
 async def test_a_reader_that_never_reads_cannot_pin_the_session_after_the_peer_left() -> None:
     """Without flow control a full stream parks the read loop; if nobody ever reads it, the
-    stream is reset after STALLED_STREAM_RESET_SECONDS and the loop reads on, so the peer's
+    stream is reset after the session's stall limit and the loop reads on, so the peer's
     leaving is seen and the session (its socket, its buffers) is released."""
     a, b = socket.socketpair()
     client_wire, server_wire = await SocketStream.from_socket(a), await SocketStream.from_socket(b)
@@ -162,7 +188,13 @@ async def test_a_reader_that_never_reads_cannot_pin_the_session_after_the_peer_l
         stream.accept()
         accepted.append(stream)  # and never read
 
-    server = SpdySession(server_wire, Role.SERVER, on_stream=on_stream, idle_timeout=None)
+    server = SpdySession(
+        server_wire,
+        Role.SERVER,
+        on_stream=on_stream,
+        idle_timeout=None,
+        stalled_reset_seconds=STALL_LIMIT_SECONDS,
+    )
     client = SpdySession(client_wire, Role.CLIENT, idle_timeout=None)
     async with asyncio.TaskGroup() as tg:
         serving = tg.create_task(server.run())
@@ -173,7 +205,7 @@ async def test_a_reader_that_never_reads_cannot_pin_the_session_after_the_peer_l
         assert not sender.done()  # held by backpressure, not buffered
         sender.cancel()
         client_wire.abort()  # the client leaves abruptly
-        async with asyncio.timeout(STALLED_STREAM_RESET_SECONDS + PROMPT_SECONDS):
+        async with asyncio.timeout(STALL_LIMIT_SECONDS + PROMPT_SECONDS):
             await serving
         await server.aclose()
         await client.aclose()

@@ -406,13 +406,17 @@ def running_stack() -> Iterator[Stack]:
     runtime: RuntimeDaemon | None = None
     node: NodeGateway | None = None
     pods: CriPods | None = None
+    stack: Stack | None = None
     try:
         runtime = RuntimeDaemon.start(root / "s", root / "runtime.log")
         node = NodeGateway(root / "node", runtime.cri_socket, root / "node.log")
         node.start()
         pods = CriPods(runtime.cri_socket)
-        yield Stack(root, runtime, node, pods)
+        stack = Stack(root, runtime, node, pods)
+        yield stack
     finally:
+        if stack is not None:
+            runtime = stack.runtime  # a test may have restarted it
         try:
             if node is not None and node.proc is not None:
                 node.stop()

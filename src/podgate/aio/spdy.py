@@ -77,8 +77,10 @@ MAX_QUEUED_BYTES_PER_SESSION = 8 * MAX_QUEUED_BYTES_PER_STREAM
 WINDOW_UPDATE_DIVISOR = 2
 # Without flow control, how long a stream's full queue may go without one read before the
 # stream is reset (RST_STREAM CANCEL) so the session reads on: a reader that is merely slow
-# reads something well within it; one that is gone must not pin the session for ever.
-STALLED_STREAM_RESET_SECONDS = 5.0
+# reads something well within it; one that is gone must not pin the session for ever. A live
+# reader can be held up by its own peer's backpressure (an echo through kubectl, 64 such
+# connections on 2 busy cores) for more than 5 s: 5 s reset 50 of 128 healthy connections.
+STALLED_STREAM_RESET_SECONDS = 30.0
 # client-go pings every 5 s on a direct SPDY connection (10 s inside the WebSocket tunnel).
 CLIENT_PING_INTERVAL_SECONDS = 5.0
 # Kubernetes' default streaming idle timeout (kubelet, containerd, CRI streaming server). Idle
@@ -93,6 +95,9 @@ SEND_DATA_FRAME_BYTES = 256 * 1024
 # RST_STREAM) a peer may send: a burst, refilled at a steady rate. client-go pings every 5 s
 # and resets each stream once; a peer far above this is flooding, and gets GOAWAY.
 CONTROL_FRAME_BURST = 2000
+# Slice of a read holding control frames parsed before the budget is charged (~1,400 PINGs):
+# a 256 KiB read of nothing but PINGs would otherwise cost 21,845 parsed frames per flood.
+PARSE_SLICE_BYTES = 16 * 1024
 CONTROL_FRAMES_PER_SECOND = 500.0
 # Streams one session may have open at once by default (a kubectl port-forward uses two per
 # connection, so 256 concurrent connections): more are refused with RST_STREAM(REFUSED_STREAM),
@@ -313,13 +318,14 @@ class SpdyStream(ByteStream):
 
     async def _wait_for_reader(self) -> None:
         """Park the read loop (TCP backpressure) until the application reads this stream, but
-        not for a reader that makes no progress at all: after STALLED_STREAM_RESET_SECONDS
+        not for a reader that makes no progress at all: after `stalled_reset_seconds`
         without a read the stream is reset and the session reads on. Otherwise a consumer that
         is gone for good would pin the session, and with it everything the connection holds,
         even after the peer left (a parked loop never sees the connection end)."""
         while not self._writable.is_set():
             quiet = self.session._loop.time() - max(self._last_read, self._full_since)
-            if quiet >= STALLED_STREAM_RESET_SECONDS:
+            limit = self.session.stalled_reset_seconds
+            if quiet >= limit:
                 log.warning(
                     "%s: stream %d unread for %.0f s with %d bytes queued: reset",
                     self.session.name,
@@ -330,7 +336,7 @@ class SpdyStream(ByteStream):
                 self._stall(quiet)
                 return
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._writable.wait(), STALLED_STREAM_RESET_SECONDS - quiet)
+                await asyncio.wait_for(self._writable.wait(), limit - quiet)
 
     def _stall(self, quiet: float) -> None:
         """RST_STREAM CANCEL for a reader that stalled; it then reads a StalledStreamError."""
@@ -385,14 +391,17 @@ class SpdySession:
         ping_interval: float | None = None,
         data_frame_bytes: int = SEND_DATA_FRAME_BYTES,
         flow_control_window: int | None = None,
+        stalled_reset_seconds: float = STALLED_STREAM_RESET_SECONDS,
         name: str = "spdy",
         max_streams: int = MAX_STREAMS_PER_SESSION,
     ) -> None:
         """`flow_control_window`: per-stream flow control with this window each way, for a
         peer known to do the same (see the module docstring); None for every Kubernetes peer.
+        `stalled_reset_seconds`: see STALLED_STREAM_RESET_SECONDS.
         `max_streams`: streams open at once before the peer's next one is refused."""
         if max_streams < 1:
             raise ValueError("max_streams must be positive")
+        self.stalled_reset_seconds = stalled_reset_seconds
         self._wire = wire
         self._core = SpdyConnection(
             role,
@@ -437,19 +446,10 @@ class SpdySession:
                 self._touch()
                 while not self.goaway_received:
                     data = await self._wire.receive()
-                    try:
-                        events = self._core.receive_data(data) if data else self._core.receive_eof()
-                    except ProtocolError as exc:
-                        log.warning("%s: protocol error from peer: %s", self.name, exc)
-                        self._flush()
-                        reason = exc
+                    # Only data and new streams count as activity (see _dispatch).
+                    reason = await self._feed(data)
+                    if reason is not None:
                         break
-                    if not self._within_control_budget(events):
-                        reason = ProtocolError("control frame flood")
-                        self._refuse_flood()
-                        break
-                    for event in events:
-                        await self._dispatch(event)
                     self._flush()
                     if not data:
                         break
@@ -472,9 +472,39 @@ class SpdySession:
             self._teardown(reason)
             self.done.set()
 
-    def _within_control_budget(self, events: list[Event]) -> bool:
-        """Charge this read's control frames to the session's token bucket."""
-        count = sum(1 for event in events if isinstance(event, _CONTROL_EVENTS))
+    async def _feed(self, data: bytes) -> ProtocolError | None:
+        """Parse and dispatch one read; the error that ends the session, if any.
+
+        A read holding control frames is parsed PARSE_SLICE_BYTES at a time, each slice
+        charged to the budget before the next is parsed: a flood is refused after one slice
+        beyond the budget, not after parsing (and queueing echoes for) a whole read of
+        PINGs. A read that starts without control frames is parsed in one go."""
+        if not data:
+            events = self._core.receive_eof()
+            for event in events:
+                await self._dispatch(event)
+            return None
+        pos, probing = 0, True
+        while pos < len(data):
+            end = pos + PARSE_SLICE_BYTES if probing else len(data)
+            try:
+                events = self._core.receive_data(data[pos:end])
+            except ProtocolError as exc:
+                log.warning("%s: protocol error from peer: %s", self.name, exc)
+                self._flush()
+                return exc
+            pos = end
+            controls = sum(1 for event in events if isinstance(event, _CONTROL_EVENTS))
+            if not self._within_control_budget(controls):
+                self._refuse_flood()
+                return ProtocolError("control frame flood")
+            probing = controls > 0
+            for event in events:
+                await self._dispatch(event)
+        return None
+
+    def _within_control_budget(self, count: int) -> bool:
+        """Charge `count` control frames to the session's token bucket."""
         if not count:
             return True
         now = self._loop.time()

@@ -24,7 +24,7 @@ import grpc.aio
 from podgate.cri import api_pb2 as pb
 from podgate.cri import api_pb2_grpc as pb_grpc
 from podgate.node.kubeapi import ContainerView, PodView
-from podgate.node.logs import LogSource
+from podgate.node.logs import LogSource, LogSourceLost
 from podgate.streaming.target import StreamTarget
 
 log = logging.getLogger(__name__)
@@ -434,8 +434,12 @@ class CriPodSource:
             async def running(container_id: str = c.id) -> bool:
                 try:
                     return await self.client.container_running(container_id)
-                except CriError:
-                    return False
+                except CriNotFound:
+                    return False  # removed: nothing more will be written
+                except CriError as exc:
+                    # The runtime is gone (or failing): a follow that ended here quietly
+                    # would read as the container's exit.
+                    raise LogSourceLost(f"container {container_id}: {exc}") from exc
 
             return LogSource(path, running)
         return None

@@ -7,6 +7,7 @@ Pods come from a PodSource: the demo's static pods, or a runtime's real ones.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -22,7 +23,7 @@ from podgate.aio.errors import StreamError
 from podgate.aio.http import linger_close, next_request
 from podgate.aio.streams import SocketStream
 from podgate.node.listener import Listener, PreAuth, Ticket, listen
-from podgate.node.logs import LogSource, read_log
+from podgate.node.logs import LogSource, LogSourceLost, read_log
 from podgate.node.origin import Refusal, RequestOrigins
 from podgate.proto import k8s
 from podgate.proto.errors import RemoteProtocolError
@@ -746,6 +747,14 @@ class KubeApi:
             await conn.send(handshake.end_response())
         except StreamError:
             pass  # the client stopped following (Ctrl-C): not an error
+        except LogSourceLost as exc:
+            # The status line is long gone: say why in the body (as the kubelet writes its
+            # error there), then cut the response short, so the client fails with an
+            # unexpected EOF instead of reading a complete log.
+            log.warning("logs %s/%s: follow ended: %s", pod.namespace, pod.name, exc)
+            with contextlib.suppress(StreamError):
+                await conn.send(handshake.send_body(f"error: {exc}\n".encode()))
+            conn.abort()
         finally:
             await lines.aclose()
 

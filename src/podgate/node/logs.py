@@ -20,6 +20,11 @@ FOLLOW_POLL_SECONDS = 0.1
 MAX_LOG_LINE_BYTES = 1024 * 1024
 
 
+class LogSourceLost(Exception):
+    """Whether a followed container still runs cannot be told (its runtime does not answer):
+    the follow ends with an error, never as if the container had exited."""
+
+
 @dataclass(frozen=True, slots=True)
 class LogLine:
     timestamp: str
@@ -74,7 +79,8 @@ async def read_log(
     still_running: Callable[[], Awaitable[bool]] | None = None,
 ) -> AsyncGenerator[bytes, None]:
     """The log as `kubectl logs` prints it. With `follow`, keeps going while the file grows
-    and `still_running()` says so; ends once the container stopped and the file is drained."""
+    and `still_running()` says so; ends once the container stopped and the file is drained.
+    `still_running()` raises LogSourceLost when it cannot tell; that ends the follow too."""
     reader = _LogFile(path)
     if tail_lines is not None:
         window: collections.deque[bytes] = collections.deque(maxlen=max(tail_lines, 0))
@@ -144,7 +150,7 @@ class LogSource:
     """Where a container's log is, and how to tell whether more may come."""
 
     path: str
-    still_running: Callable[[], Awaitable[bool]]
+    still_running: Callable[[], Awaitable[bool]]  # may raise LogSourceLost
 
 
 def log_exists(path: str) -> bool:

@@ -20,7 +20,7 @@ import ssl
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from podgate.aio.errors import ForwardError, StreamError, StreamResetError
+from podgate.aio.errors import BrokenStreamError, ForwardError, StreamError, StreamResetError
 from podgate.aio.spdy import MAX_STREAMS_PER_SESSION
 from podgate.aio.streams import DEFAULT_RECEIVE_BYTES, Buffer, ByteStream
 from podgate.aio.tasks import cancel_and_wait
@@ -379,6 +379,14 @@ class UpstreamStream(ByteStream):
             return UpstreamForwardError(self.error_text)
         return None
 
+    def _lost(self, exc: BrokenStreamError) -> UpstreamForwardError:
+        """The session to the runtime went away under the pair (the runtime crashed or
+        restarted): for the client an error like any other failed forward, never the end
+        of a connection the pod closed."""
+        return UpstreamForwardError(
+            f"error forwarding port {self.port}: lost the connection to the runtime: {exc}"
+        )
+
     async def receive(self, max_bytes: int = DEFAULT_RECEIVE_BYTES) -> bytes:
         try:
             chunk = await self._data.receive(max_bytes)
@@ -387,6 +395,8 @@ class UpstreamStream(ByteStream):
             if error is None:
                 raise
             raise error from exc
+        except BrokenStreamError as exc:
+            raise self._lost(exc) from exc
         if not chunk:
             # A kubelet-style server ends a failed pair with FIN, not RST, after the text.
             error = await self._upstream_error(wait=False)
@@ -402,6 +412,8 @@ class UpstreamStream(ByteStream):
             if error is None:
                 raise
             raise error from exc
+        except BrokenStreamError as exc:
+            raise self._lost(exc) from exc
 
     async def send_eof(self) -> None:
         await self._data.send_eof()

@@ -21,6 +21,8 @@ from kubernetes import client, config
 from kubernetes.stream import portforward, stream
 from test_gateway_streams import EXPECTED, http10_exchange
 
+from podgate.aio.spdy import STALLED_STREAM_RESET_SECONDS
+
 pytestmark = [pytest.mark.e2e, pytest.mark.privileged]
 
 # Bound on one exec session and on the port-forward exchange.
@@ -188,7 +190,8 @@ def test_a_port_the_pod_never_reads_is_reset_with_an_error_and_the_others_go_on(
         stalled.setblocking(False)
         data = bytes(STALL_PUSH_BYTES)
         sent = 0
-        deadline = time.monotonic() + SESSION_TIMEOUT_SECONDS
+        # The reset comes STALLED_STREAM_RESET_SECONDS after the port's reader stopped.
+        deadline = time.monotonic() + STALLED_STREAM_RESET_SECONDS + SESSION_TIMEOUT_SECONDS
         # Push until the path stops taking bytes or the error arrives (bounded either way).
         while pf.error(STALL_PORT) is None and time.monotonic() < deadline:
             try:

@@ -20,6 +20,8 @@ from bench.common import PARTS, PATTERN_BYTES, Pattern, Verifier  # noqa: E402
 from bench.procs import ProcessSet  # noqa: E402
 
 SIZE = 2 * 1024 * 1024
+# How long a bench that ran out of time gets to stop its daemons and pods after SIGTERM.
+STOP_SECONDS = 120
 PODGATE_PATHS = ("podgate-spdy", "podgate-tunnel", "podgate-ws")
 # Well below anything loopback does, well above what a hung or looping path would show.
 MIN_PLAUSIBLE_BYTES_PER_SECOND = 1e6
@@ -31,16 +33,22 @@ def run_bench(tmp_path: Path, *args: str, timeout: float) -> tuple[dict[str, Any
     out = tmp_path / "results.json"
     # Only the parts ARGS turn on: every other has a smoke test of its own.
     only = ",".join(p for p in PARTS if f"--{p}" in args)
-    done = subprocess.run(
+    with subprocess.Popen(
         [sys.executable, "-m", "bench", "--only", only, *args, "--json", str(out)],
         cwd=REPO,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr + done.stdout
-    return json.loads(out.read_text()), done.stdout
+    ) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            # SIGTERM, not the SIGKILL of subprocess.run: the bench stops what it started.
+            proc.terminate()
+            stdout, stderr = proc.communicate(timeout=STOP_SECONDS)
+            raise AssertionError(f"bench took over {timeout} s:\n{stderr}{stdout}") from None
+    assert proc.returncode == 0, stderr + stdout
+    return json.loads(out.read_text()), stdout
 
 
 def test_bench_runs_every_podgate_path_with_verified_bytes(tmp_path: Path) -> None:

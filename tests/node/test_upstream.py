@@ -449,6 +449,58 @@ async def test_more_forwards_than_the_runtime_allows_per_session(
         await target.aclose()
 
 
+class _FullSession:
+    """A pooled session with no room, which counts how often it is looked at."""
+
+    capacity = 1
+    active = 1
+
+    def __init__(self) -> None:
+        self.looks = 0
+
+    @property
+    def usable(self) -> bool:
+        self.looks += 1
+        if self.looks > 1000:
+            raise RuntimeError("the caller spins on a finished connection")
+        return True
+
+
+async def test_a_caller_between_a_connection_and_its_callback_does_not_spin(
+    client: CriClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A caller that runs after a connecting task finished but before its done-callback
+    removed it must open another connection, not await the finished one again (which never
+    yields: the callback could never run)."""
+    target = CriTarget(client, forwards_per_session=1)
+    full, connects = _FullSession(), []
+
+    async def connect(sandbox_id: str, key: str) -> Any:
+        connects.append(key)
+        await asyncio.sleep(0)
+        if len(connects) > 1:
+            raise TargetError("no room")  # the second connection: the caller moves on
+        return full
+
+    monkeypatch.setattr(target, "_connect", connect)
+
+    async def late() -> None:
+        # Two turns: the first caller's connection then finishes just before this runs.
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        await target._session("sandbox", "key")
+
+    first = asyncio.create_task(target._session("sandbox", "key"))
+    second = asyncio.create_task(late())
+    async with asyncio.timeout(STEP_SECONDS):
+        with pytest.raises(TargetError, match="no room"):
+            await second
+    first.cancel()
+    with contextlib.suppress(asyncio.CancelledError, TargetError):
+        await first
+    assert full.looks < 1000 and len(connects) >= 2
+
+
 async def test_port_forward_to_closed_port_relays_the_runtime_error(
     setup: Setup, client: CriClient, target: CriTarget
 ) -> None:

@@ -227,7 +227,9 @@ class CriTarget:
                     entry.acquire()
                     return entry, True
             task = self._connecting.get(key)
-            if task is None:
+            # A finished one (its done-callback not run yet) has its session in the pool
+            # already, looked at above: awaiting it again would not yield, and would spin.
+            if task is None or task.done():
                 task = asyncio.create_task(self._connect(sandbox_id, key), name=f"pf connect {key}")
                 self._connecting[key] = task
                 task.add_done_callback(lambda t: self._connected(key, t))

@@ -22,6 +22,7 @@ import os
 import random
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -172,6 +173,29 @@ async def echo(socket_path: Path, pod: Any, port: int, size: int) -> tuple[float
     return seconds, count == size and sent.digest() == received.digest()
 
 
+SOCAT_PATH = "socat relay (floor)"
+# How long socat may take to create its listening socket.
+SOCAT_START_SECONDS = 10.0
+
+
+def start_socat(listen: Path, upstream: Path, log: Path) -> subprocess.Popen[bytes]:
+    """`socat` relaying every connection to `listen` to the unix socket `upstream`."""
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            ["socat", f"UNIX-LISTEN:{listen},fork", f"UNIX-CONNECT:{upstream}"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    deadline = time.monotonic() + SOCAT_START_SECONDS
+    while not listen.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            raise RuntimeError(f"socat did not listen on {listen}: {log.read_text()}")
+        time.sleep(0.01)
+    return proc
+
+
 def run_proxy(
     calls: int, size: int, runs: int, progress: Progress, relay_sources: Sequence[Path] = ()
 ) -> dict[str, Any]:
@@ -216,6 +240,7 @@ def run_proxy(
             wait_listening(plain_port)
             wait_listening(proxied_port)
             proxies = []
+            floors: list[subprocess.Popen[bytes]] = []
             sockets = {"direct": ctrd.socket}
             planes = [(p, f"proxy ({p})", None) for p in DATA_PLANES] + [
                 ("relay", f"proxy (relay, {src})", src) for src in relay_sources
@@ -238,6 +263,12 @@ def run_proxy(
                 proxies.append(process)
                 sockets[label] = sock
             proxy_sock = sockets[f"proxy ({DATA_PLANES[0]})"]
+            # The floor of any relay: socat copying bytes between the two sockets in C, one
+            # more hop and nothing else.
+            if shutil.which("socat"):
+                floor = work / "socat.sock"
+                floors.append(start_socat(floor, ctrd.socket, work / "socat.log"))
+                sockets[SOCAT_PATH] = floor
             try:
                 progress(f"proxy: {calls} unary calls per method and path")
                 section["unary"] = unary_latency(sockets, calls, plain.sandbox_id, runs)
@@ -259,6 +290,8 @@ def run_proxy(
             finally:
                 for process in proxies:
                     stop_process(process.proc)
+                for floor_process in floors:
+                    stop_process(floor_process)
     except Exception as exc:  # reported in the section; the rest of the bench goes on
         section["error"] = f"{type(exc).__name__}: {exc}"
     finally:

@@ -25,7 +25,7 @@ def test_the_proxy_bench_measures_both_paths_with_verified_bytes() -> None:
     assert [(r["method"], r["path"]) for r in section["unary"]] == [
         (method, path)
         for method in ("Version", "PodSandboxStatus")
-        for path in ("direct", "proxy (relay)", "proxy (grpc)")
+        for path in ("direct", "proxy (relay)", "proxy (grpc)", bench_proxy.SOCAT_PATH)
     ]
     for row in section["unary"]:
         assert row["calls"] == 20

@@ -38,6 +38,12 @@ MAX_HEADER_LIST_BYTES: Final = 1024 * 1024
 MAX_INSPECTED_MESSAGE_BYTES: Final = 1024 * 1024
 # Header blocks remembered with the :path they carry (see Relay._headers), at most.
 KNOWN_BLOCKS: Final = 256
+# The frames each direction looks into while nothing is owed and no answer is held: a
+# request's header blocks (its :path) and, for a call being watched, its DATA and RST_STREAM;
+# the runtime's SETTINGS (its header table size). Every other frame (pings, window updates,
+# the answers' headers and data) passes with a look at its 9-byte header alone.
+_REQUEST_KINDS: Final = h2.kinds(h2.HEADERS, h2.CONTINUATION, h2.DATA, h2.RST_STREAM)
+_ANSWER_KINDS: Final = h2.kinds(h2.SETTINGS)
 
 # Given the runtime's response message, the message to answer with (None: unchanged).
 Rewrite = Callable[[bytes], bytes | None]
@@ -142,8 +148,8 @@ class Relay:
             log.debug("relay: client side ended: %s", exc)
 
     def _client_bytes(self, data: bytes) -> None:
-        whole, frames = self._from_client_frames.split(data)
         if not self._owed:
+            whole, frames = self._from_client_frames.split(data, _REQUEST_KINDS)
             # Nothing to change: the bytes go on first and are read afterwards, off the
             # call's path. Nothing else runs before this returns, so the runtime's answer
             # cannot overtake what the request tells the relay.
@@ -152,6 +158,7 @@ class Relay:
             for frame in frames:
                 self._from_client(frame)
         else:
+            whole, frames = self._from_client_frames.split(data)
             out = bytearray(whole[: len(whole) - sum(len(f.raw) for f in frames)])  # preface
             for frame in frames:
                 out += self._from_client(frame)
@@ -220,12 +227,12 @@ class Relay:
         if self._upstream_busy or self.calls or self.client.writing_paused:
             return False  # to the task: an answer may be held, or the client is slow
         try:
-            self._pass_on(*self._from_upstream_frames.split(data))
+            self._pass_on(*self._from_upstream_frames.split(data, _ANSWER_KINDS))
         except (StreamError, ProtocolError) as exc:
             self._end("runtime", exc)
         return True
 
-    def _pass_on(self, whole: memoryview, frames: list[h2.Frame]) -> None:
+    def _pass_on(self, whole: bytes | memoryview, frames: list[h2.Frame]) -> None:
         """No answer is looked into: the bytes go on as they came."""
         if whole:
             self.client.write(whole)
@@ -237,12 +244,11 @@ class Relay:
         try:
             while data := await self.upstream.receive(RECEIVE_BYTES):
                 self._upstream_busy = True
-                whole, frames = self._from_upstream_frames.split(data)
                 if not self.calls:
-                    self._pass_on(whole, frames)
+                    self._pass_on(*self._from_upstream_frames.split(data, _ANSWER_KINDS))
                     await self.client.drain()
                 else:
-                    await self._look_into(frames)
+                    await self._look_into(self._from_upstream_frames.split(data)[1])
                 self._upstream_busy = False
         except (StreamError, ProtocolError) as exc:
             log.debug("relay: runtime side ended: %s", exc)

@@ -77,6 +77,11 @@ class FrameSplitter:
         self._want_preface = preface
         self._max_payload = max_payload
 
+    @property
+    def pending(self) -> int:
+        """Bytes held of a frame (or of the preface) still arriving."""
+        return len(self._buffer)
+
     def feed(self, data: bytes | bytearray | memoryview) -> tuple[bytes, list[Frame]]:
         """(the preface if it completed now, the frames that completed)."""
         wanted = self._want_preface

@@ -26,6 +26,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from typing import Final
 
@@ -131,6 +132,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # singletons) and frozen out of the collector's way, so their pages stay shared after a
     # fork. No thread is left running: the forker only forks.
     asyncio.run(asyncio.sleep(0))
+    with tempfile.TemporaryDirectory(prefix="podgate-forker-") as scratch:
+        shim_mod.warm(scratch)
     gc.collect()
     gc.freeze()
     try:

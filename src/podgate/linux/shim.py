@@ -19,6 +19,7 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import json
 import os
 import select
 import signal
@@ -657,7 +658,7 @@ class _Shim:
                 reason = "OOMKilled"
             self._drain_output(wake_r)
             self._flush_log()
-            atomic_write_json(
+            _publish_json(
                 self.spec.exit_file,
                 {"exit_code": exit_code, "finished_at": time.time_ns(), "reason": reason},
             )
@@ -924,7 +925,7 @@ def _warm_round(directory: str) -> None:
     runc = Runc(os.devnull, directory, os.path.join(directory, "runc.log"))
     runc.argv(*runc.create_args(spec.container_id, directory, os.path.join(directory, "pid")))
     runc.error_since(0)
-    atomic_write_json(spec.ready_file, {"shim_pid": me.pid, "started_at": time.time_ns()})
+    _publish_json(spec.ready_file, {"shim_pid": me.pid, "started_at": time.time_ns()})
     listener = _listen(spec.attach_socket)
     stdio = _open_stdio(spec)
     for fd in stdio.to_close_after_fork:
@@ -962,6 +963,29 @@ def _trim_heap() -> None:
     """Give back the free pages of the C heap that starting the container left."""
     with contextlib.suppress(AttributeError):  # not glibc
         _LIBC.malloc_trim(0)
+
+
+def _publish_json(path: str, obj: dict[str, Any]) -> None:
+    """Replace `path` with `obj` as JSON, atomically and durably, as atomic_write_json does
+    but without tempfile and pathlib, whose code a forked shim would run and so copy the
+    pages of. Only this shim writes its ready and exit files: a fixed temporary name will do."""
+    data = json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
+    tmp = f"{path}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    directory = os.open(os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
 
 
 def _reap(pid: int) -> int:
@@ -1019,14 +1043,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             listener.close()
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(spec.attach_socket)
-        atomic_write_json(spec.ready_file, {"error": message})
+        _publish_json(spec.ready_file, {"error": message})
         return 1
     # SIGUSR1 (reopen the log) stays pending until the loop handles it; blocked only
     # now, so the container never inherits the mask. The runtime learns our pid below.
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
     shim = process_ref(os.getpid())
     container = process_ref(pid)
-    atomic_write_json(
+    _publish_json(
         spec.ready_file,
         {
             "shim_pid": shim.pid,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ from typing import Any, Final
 __all__ = ["DEFAULT_RUNTIME", "Runc", "RuncError", "RuncResult"]
 
 DEFAULT_RUNTIME: Final = "runc"
+# Signals Python ignores that a child must not inherit ignored (subprocess restores them too).
+_RESTORED_SIGNALS: Final = (signal.SIGPIPE, signal.SIGXFSZ)
 # Bytes of a log file read back for an error message.
 MAX_LOG_READ: Final = 64 * 1024
 
@@ -73,7 +76,7 @@ class Runc:
             return "; ".join(messages)
         return stderr.decode("utf-8", "replace").strip() or "the OCI runtime failed"
 
-    # -- synchronous (the shim, before its event loop)
+    # -- synchronous (the shim, at start)
 
     def run_sync(
         self,
@@ -87,7 +90,7 @@ class Runc:
 
         One posix_spawn, not subprocess: the shim calls this at start, and each page of
         Python it runs there is a page it no longer shares with the forker (subprocess cost
-        a forked shim about 0.5 MiB). Our other fds are close-on-exec (Python's default)."""
+        a forked shim about 0.2 MiB). Our other fds are close-on-exec (Python's default)."""
         offset = self._log_size()
         devnull = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
         try:
@@ -95,7 +98,13 @@ class Runc:
                 (os.POSIX_SPAWN_DUP2, devnull if fd == subprocess.DEVNULL else fd, target)
                 for target, fd in enumerate((stdin, stdout, stderr))
             ]
-            pid = os.posix_spawnp(self.binary, self.argv(*args), os.environ, file_actions=actions)
+            pid = os.posix_spawnp(
+                self.binary,
+                self.argv(*args),
+                os.environ,
+                file_actions=actions,
+                setsigdef=_RESTORED_SIGNALS,  # as subprocess's restore_signals
+            )
         finally:
             os.close(devnull)
         _, status = os.waitpid(pid, 0)

@@ -14,7 +14,6 @@ The runtime signals the container process directly by its host pid from the read
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import ctypes
 import errno
@@ -30,7 +29,7 @@ import termios
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, Final
+from typing import TYPE_CHECKING, Any, BinaryIO, Final
 
 from podgate.aio.errors import map_os_errors
 from podgate.linux import ns
@@ -58,6 +57,9 @@ from podgate.proto.attach import (
     StdinClose,
     Stdout,
 )
+
+if TYPE_CHECKING:  # the client side's; a shim runs no event loop (imported where used)
+    import asyncio
 
 __all__ = [
     "DEFAULT_PATH",
@@ -1185,6 +1187,8 @@ class AttachConnection:
 
 async def attach(socket_path: str) -> AttachConnection:
     """Connect to a shim's attach socket (ConnectError if the shim is gone)."""
+    import asyncio
+
     with map_os_errors():
         reader, writer = await asyncio.open_unix_connection(socket_path)
     return AttachConnection(reader, writer)

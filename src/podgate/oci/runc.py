@@ -10,7 +10,6 @@ update a resources JSON file (`-r`).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
@@ -114,6 +113,8 @@ class Runc:
     # -- asynchronous (the runtime)
 
     async def run(self, args: Sequence[str], *, input: bytes | None = None) -> bytes:
+        import asyncio  # here: the shims forked by podgate.linux.forker run no event loop
+
         offset = self._log_size()
         proc = await asyncio.create_subprocess_exec(
             *self.argv(*args),

@@ -67,6 +67,8 @@ POLL_SECONDS = 0.005
 # Importing the small busybox image into podgate's store, seconds.
 IMPORT_TIMEOUT_SECONDS = 120.0
 NAMESPACE = "bench"
+# The runtime handler of podgate's sandboxed pods (the `agent` backend) by default.
+SANDBOX_HANDLER = "sandboxed"
 
 Progress = Callable[[str], None]
 
@@ -83,8 +85,11 @@ def namespaces() -> pb.NamespaceOption:
     return pb.NamespaceOption(network=pb.NODE, pid=pb.CONTAINER, ipc=pb.POD)
 
 
-def start_pod(rt: pb_grpc.RuntimeServiceStub, name: str, cgroup_parent: str) -> dict[str, Any]:
-    """The timed sequence for one pod; the row has the ids and the seconds."""
+def start_pod(
+    rt: pb_grpc.RuntimeServiceStub, name: str, cgroup_parent: str, handler: str = ""
+) -> dict[str, Any]:
+    """The timed sequence for one pod (of runtime handler `handler`); the row has the ids and
+    the seconds."""
     sandbox_config = pb.PodSandboxConfig(
         metadata=pb.PodSandboxMetadata(name=name, namespace=NAMESPACE, uid=str(uuid.uuid4())),
         linux=pb.LinuxPodSandboxConfig(
@@ -103,7 +108,8 @@ def start_pod(rt: pb_grpc.RuntimeServiceStub, name: str, cgroup_parent: str) -> 
     started = time.monotonic()
     try:
         row["sandbox"] = rt.RunPodSandbox(
-            pb.RunPodSandboxRequest(config=sandbox_config), timeout=CALL_TIMEOUT_SECONDS
+            pb.RunPodSandboxRequest(config=sandbox_config, runtime_handler=handler),
+            timeout=CALL_TIMEOUT_SECONDS,
         ).pod_sandbox_id
         row["container"] = rt.CreateContainer(
             pb.CreateContainerRequest(
@@ -168,6 +174,64 @@ def podgate_pod_pids(state: Path, sandbox: str, container: str) -> dict[str, int
         pids["holder"] = pod["holder"]["pid"]
     if pod.get("ns_process") and pod["ns_process"]["pid"] != pod["holder"]["pid"]:
         pids["ns holder"] = pod["ns_process"]["pid"]
+    return pids
+
+
+def _descendants(root: int) -> list[int]:
+    out, todo = [], [root]
+    while todo:
+        children = _children(todo.pop())
+        out += children
+        todo += children
+    return out
+
+
+# Helpers by module (`python -m MODULE`) or by `podgate` sub-command.
+_HELPER_ROLES = {"vmm": "muxer", "agent": "agent", "holder": "holder"}
+
+
+def _helper_name(pid: int) -> str:
+    """A helper's role from its command line: the module after `-m` (or the `podgate`
+    sub-command)."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+        module = argv[argv.index("-m") + 1]
+        name = argv[argv.index("-m") + 2] if module == "podgate" else module.rsplit(".", 1)[-1]
+        return _HELPER_ROLES.get(name, name)
+    return "process"
+
+
+def podgate_sandboxed_pod_pids(state: Path, sandbox: str, container: str) -> dict[str, int]:
+    """A sandboxed pod's processes: the container's shim, the sandbox shim and what it runs
+    (muxer, agent), the guest holder and the guest's namespace process; not the container's
+    own processes."""
+    pod = json.loads((state / "pods" / f"{sandbox}.json").read_text())
+    ctr = json.loads((state / "containers" / f"{container}.json").read_text())
+    workload = ctr["process"]["pid"]
+    excluded = {workload, *_descendants(workload)}
+    pids = {"container shim": ctr["shim"]["pid"]}
+    extra = pod.get("extra", {})
+    roots = [
+        (role, extra[key]["pid"])
+        for key, role in (
+            ("sandbox_shim", "sandbox shim"),
+            ("guest_holder", "guest holder"),
+            ("guest_ns_process", "guest ns process"),
+        )
+        if extra.get(key)
+    ]
+    for role, pid in roots:
+        pids.setdefault(role, pid)
+    for _, pid in roots:
+        for found in _descendants(pid):
+            if found in excluded or found in pids.values():
+                continue
+            name = _helper_name(found)
+            key, n = name, 1
+            while key in pids:
+                n += 1
+                key = f"{name}{n}"
+            pids[key] = found
     return pids
 
 
@@ -258,9 +322,19 @@ def run_podstart(pods: int, progress: Progress) -> dict[str, Any]:
                         row |= {"tool": tool, "run": i}
                         section["rows"].append(row)
                         made[tool].append(row)
+                progress("podstart: one sandboxed pod: podgate")
+                row = start_pod(podgate_rt, "start-sandboxed", "", SANDBOX_HANDLER)
+                section["sandboxed"] = row
+                if row["sandbox"]:
+                    made["podgate"].append(row | {"sandboxed": True})
                 progress("podstart: measuring PSS")
                 for row in made["podgate"]:
-                    if row["error"] is None:
+                    if row["error"] is None and row.get("sandboxed"):
+                        pids = podgate_sandboxed_pod_pids(
+                            daemon.state, row["sandbox"], row["container"]
+                        )
+                        section["sandboxed"]["memory"] = _pss_sum(pids)
+                    elif row["error"] is None:
                         pids = podgate_pod_pids(daemon.state, row["sandbox"], row["container"])
                         section["memory"]["podgate"].append(_pss_sum(pids))
                 for row in made["containerd"]:
@@ -279,6 +353,7 @@ def run_podstart(pods: int, progress: Progress) -> dict[str, Any]:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     section["summary"] = summarize(section)
+    section["sandboxed_summary"] = summarize_sandboxed(section)
     return section
 
 
@@ -319,6 +394,33 @@ def summarize(section: dict[str, Any]) -> list[dict[str, Any]]:
             mine, theirs = entry[key], base[key]
             entry[f"{key}_ratio"] = mine / theirs if mine is not None and theirs else None
     return out
+
+
+def summarize_sandboxed(section: dict[str, Any]) -> dict[str, Any] | None:
+    """The sandboxed pod against the median plain pod of the same daemon."""
+    row = section.get("sandboxed")
+    if row is None:
+        return None
+    plain = next(s for s in section["summary"] if s["tool"] == "podgate")
+    memory = row.get("memory")
+    kib = memory["kib"] if memory else None
+    return {
+        "error": row["error"],
+        "seconds": row["seconds"] if row["error"] is None else None,
+        "pss_kib": kib,
+        "processes": memory["pids"] if memory else None,
+        "by_process": memory["by_process"] if memory else {},
+        "plain_pss_kib": plain["pss_kib"],
+        "plain_p50": plain["p50"],
+        "pss_ratio": kib / plain["pss_kib"] if kib and plain["pss_kib"] else None,
+    }
+
+
+SANDBOXED_HEADERS = ("podgate pod", "start ms", "PSS/pod MiB", "procs/pod", "PSS × plain pod")
+
+
+def _mib(kib: float | None) -> str:
+    return "–" if kib is None else f"{kib / 1024:.1f}"
 
 
 HEADERS = (
@@ -362,7 +464,38 @@ def tables(section: dict[str, Any]) -> SectionTables:
         "holder when the pod has one), containerd: shim + sandbox (pause) process; the "
         "container's own process is not counted."
     )
-    return [(title, note, HEADERS, rows)]
+    out: SectionTables = [(title, note, HEADERS, rows)]
+    sandboxed = section.get("sandboxed_summary")
+    if sandboxed is not None:
+        plain = next(s for s in section["summary"] if s["tool"] == "podgate")
+        out.append(
+            (
+                "one sandboxed pod (runtime handler sandboxed, the agent backend) against a "
+                "plain pod, same daemon",
+                "plain: the median of the pods above (start: p50); sandboxed: one pod started "
+                "after them, same image and calls; its processes: the container's shim, the "
+                "sandbox shim, its muxer and agent, the guest holder (and the guest's namespace "
+                "process when it is another); the container's own process is not counted.",
+                SANDBOXED_HEADERS,
+                [
+                    [
+                        "plain",
+                        _ms(plain["p50"]),
+                        _mib(plain["pss_kib"]),
+                        "–" if plain["processes"] is None else f"{plain['processes']:g}",
+                        _ratio(1.0 if plain["pss_kib"] else None),
+                    ],
+                    [
+                        "sandboxed",
+                        _ms(sandboxed["seconds"]),
+                        _mib(sandboxed["pss_kib"]),
+                        "–" if sandboxed["processes"] is None else str(sandboxed["processes"]),
+                        _ratio(sandboxed["pss_ratio"]),
+                    ],
+                ],
+            )
+        )
+    return out
 
 
 def _notes(section: dict[str, Any]) -> list[str]:
@@ -372,6 +505,13 @@ def _notes(section: dict[str, Any]) -> list[str]:
             parts = ", ".join(f"{r} {kib / 1024:.1f}" for r, kib in s["by_process"].items())
             notes.append(f"{s['tool']} PSS MiB per process (median): {parts}")
         notes += [f"{s['tool']} failed: {e}" for e in s["errors"]]
+    sandboxed = section.get("sandboxed_summary")
+    if sandboxed is not None:
+        if sandboxed["by_process"]:
+            parts = ", ".join(f"{r} {kib / 1024:.1f}" for r, kib in sandboxed["by_process"].items())
+            notes.append(f"sandboxed pod PSS MiB per process: {parts}")
+        if sandboxed["error"]:
+            notes.append(f"sandboxed pod failed: {sandboxed['error']}")
     pods = max(1, len(section["memory"]["podgate"]))
     for role, kib in section.get("node", {}).items():
         notes.append(
@@ -390,6 +530,9 @@ def print_report(section: dict[str, Any], console: Console) -> None:
 
 
 def failed(section: dict[str, Any]) -> bool:
+    sandboxed = section.get("sandboxed_summary")
+    if sandboxed is not None and (sandboxed["error"] or not sandboxed["pss_kib"]):
+        return True
     return any(s["errors"] or not s["ok"] for s in section["summary"])
 
 

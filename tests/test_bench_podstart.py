@@ -47,5 +47,14 @@ def test_podstart_part_starts_pods_in_both_runtimes(tmp_path: Path) -> None:
         least = 2 if tool == "containerd" else 1
         assert all(m["pids"] >= least and m["kib"] > 0 for m in memory), memory
         assert all(v > 0 for m in memory for v in m["by_process"].values()), memory
+    # One sandboxed pod in the same daemon, measured beside the plain ones: its container's
+    # shim, the sandbox shim, muxer, agent and guest holder at least.
+    sandboxed = section["sandboxed"]
+    assert sandboxed["error"] is None, sandboxed
+    roles = set(sandboxed["memory"]["by_process"])
+    assert {"container shim", "sandbox shim", "muxer", "agent", "guest holder"} <= roles, roles
+    assert all(v > 0 for v in sandboxed["memory"]["by_process"].values()), sandboxed
+    assert section["sandboxed_summary"]["pss_ratio"] > 0
     assert "pod start" in done.stdout
+    assert "one sandboxed pod" in done.stdout
     assert "pod start" in (tmp_path / "results.md").read_text()

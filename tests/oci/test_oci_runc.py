@@ -112,3 +112,30 @@ async def test_lifecycle(runc_env: tuple[Runc, Path]) -> None:
     await runc.delete("oci-test")
     with pytest.raises(RuncError, match="does not exist"):
         await runc.state("oci-test")
+
+
+def test_run_sync_passes_stdio_and_restores_ignored_signals(tmp_path: Path) -> None:
+    """The shim's synchronous runs: the child gets the given fds and the signals Python ignores
+    (SIGPIPE, SIGXFSZ) back at their defaults, as subprocess gives them; a failure carries
+    the runtime's own error from its log."""
+    binary = tmp_path / "fake-runtime"
+    # argv: --root R --log LOG --log-format json COMMAND
+    binary.write_text(
+        "#!/bin/sh\n"
+        "grep SigIgn /proc/self/status\n"
+        'echo "on stderr" >&2\n'
+        '[ "$7" = fail ] || exit 0\n'
+        'echo \'{"level":"error","msg":"it failed"}\' >> "$4"\n'
+        "exit 3\n"
+    )
+    binary.chmod(0o755)
+    runc = Runc(str(binary), str(tmp_path / "state"), str(tmp_path / "runtime.log"))
+    out, err = tmp_path / "out", tmp_path / "err"
+    with open(out, "wb") as stdout, open(err, "wb") as stderr:
+        runc.run_sync(["ok"], stdout=stdout.fileno(), stderr=stderr.fileno())
+    ignored = int(out.read_text().split()[1], 16)
+    for sig in (signal.SIGPIPE, signal.SIGXFSZ):
+        assert not ignored & (1 << (sig - 1)), out.read_text()
+    assert err.read_text() == "on stderr\n"
+    with pytest.raises(RuncError, match=r"^it failed$"):
+        runc.run_sync(["fail"])

@@ -17,21 +17,25 @@ names it, so nothing else can ask it for anything.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import gc
 import json
-import logging
 import os
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from podgate.linux import holder as holder_mod
 from podgate.linux import shim as shim_mod
 from podgate.linux.proc import SpawnError, helper_env, log_tail, spawn_detached
+
+# asyncio and logging are the daemon side's (Forker), imported where used: the forker process
+# imports this module, and what it imports is in every helper it forks.
+if TYPE_CHECKING:
+    import asyncio
 
 __all__ = ["HELPERS", "Forker", "main"]
 
@@ -40,8 +44,6 @@ HELPERS: Final[dict[str, Callable[[Sequence[str] | None], int]]] = {
     "podgate.linux.shim": shim_mod.main,
     "podgate.linux.holder": holder_mod.main,
 }
-
-log = logging.getLogger(__name__)
 
 # Starting the forker (an interpreter importing the shim) on a loaded machine, seconds.
 FORKER_START_TIMEOUT: Final = 30.0
@@ -127,10 +129,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("usage: python -m podgate.linux.forker  (stdin: a unix socket)", file=sys.stderr)
         return 2
     conn = socket.socket(fileno=os.dup(0))
-    # What the helpers will use, imported (an event loop run once: its lazy imports and
-    # singletons) and frozen out of the collector's way, so their pages stay shared after a
-    # fork. No thread is left running: the forker only forks.
-    asyncio.run(asyncio.sleep(0))
+    # What the helpers will use, imported and run once (podgate.linux.shim.warm), frozen out
+    # of the collector's way, so their pages stay shared after a fork. No thread is left
+    # running: the forker only forks.
+    with tempfile.TemporaryDirectory(prefix="podgate-forker-") as scratch:
+        shim_mod.warm(scratch)
     gc.collect()
     gc.freeze()
     try:
@@ -143,11 +146,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def _warn(message: str, *args: object) -> None:
+    import logging
+
+    logging.getLogger(__name__).warning(message, *args)
+
+
 class Forker:
     """The daemon's side: starts the forker on first use (again if it died) and asks it for
     helpers."""
 
     def __init__(self, log_file: str) -> None:
+        import asyncio
+
         self.log_file = log_file
         self._process: subprocess.Popen[bytes] | None = None
         self._stream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
@@ -161,7 +172,7 @@ class Forker:
             try:
                 await self._ensure_running()
             except (OSError, TimeoutError) as exc:
-                log.warning("helper forker did not start: %s", exc)
+                _warn("helper forker did not start: %s", exc)
 
     async def spawn(self, module: str, args: list[str], log_file: str) -> None:
         """Fork `python -m module args` (which daemonizes itself when spawned); a spawned one
@@ -171,13 +182,15 @@ class Forker:
         try:
             code = await self._request(module, args, log_file)
         except (OSError, TimeoutError, ValueError) as exc:
-            log.warning("helper forker unavailable (%s); spawning %s", exc, module)
+            _warn("helper forker unavailable (%s); spawning %s", exc, module)
             await spawn_detached([sys.executable, "-m", module, *args], log_file)
             return
         if code != 0:
             raise SpawnError(f"{module} fork exited with {code}: {log_tail(log_file)}")
 
     async def _request(self, module: str, args: list[str], log_file: str) -> int:
+        import asyncio
+
         request = json.dumps({"module": module, "args": args, "log": log_file}).encode()
         async with self._lock:  # one request at a time on the one socket
             try:
@@ -193,6 +206,8 @@ class Forker:
                 raise
 
     async def _ensure_running(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        import asyncio
+
         if self._stream is not None and self._process is not None and self._process.poll() is None:
             return self._stream
         self.close()

@@ -7,7 +7,6 @@ its own netns in `finally`, and hands the socket to the event loop, which connec
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import errno
 import fcntl
@@ -17,11 +16,15 @@ import socket
 import struct
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
-from typing import Any, Final, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar
 
 from podgate.aio.errors import ConnectError
+
+# asyncio and concurrent.futures are imported where used: the helper forker imports this
+# module, and the shims and holders it forks run neither (see podgate.linux.forker).
+if TYPE_CHECKING:
+    from concurrent.futures import ThreadPoolExecutor
 
 _T = TypeVar("_T")
 
@@ -265,8 +268,13 @@ class NetnsWorker:
     def __init__(self, max_workers: int = NETNS_WORKERS) -> None:
         self._home = ns_inode("/proc/thread-self/ns/net")
         self._max_workers = max_workers
-        self._executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="netns")
+        self._executor = self._new_executor()
         self._lock = threading.Lock()
+
+    def _new_executor(self) -> ThreadPoolExecutor:
+        from concurrent.futures import ThreadPoolExecutor
+
+        return ThreadPoolExecutor(max_workers=self._max_workers, thread_name_prefix="netns")
 
     def _job(self, fn: Callable[..., _T], *args: Any) -> _T:
         current = ns_inode("/proc/thread-self/ns/net")
@@ -282,6 +290,8 @@ class NetnsWorker:
     async def call(self, fn: Callable[..., _T], *args: Any) -> _T:
         """`fn(*args)` on a pool thread that is in the pool's own netns (fn enters another
         with in_netns and must leave it)."""
+        import asyncio
+
         loop = asyncio.get_running_loop()
         with self._lock:
             executor = self._executor
@@ -291,9 +301,7 @@ class NetnsWorker:
             # Retire the pool that owns the stuck thread; later jobs get fresh threads.
             with self._lock:
                 if self._executor is executor:
-                    self._executor = ThreadPoolExecutor(
-                        max_workers=self._max_workers, thread_name_prefix="netns"
-                    )
+                    self._executor = self._new_executor()
             executor.shutdown(wait=False)
             raise
 
@@ -316,6 +324,8 @@ async def connect_in_netns(
     IPv4 127.0.0.1 first, then IPv6 ::1, one after the other. Returns the connected,
     non-blocking socket. `label` names the sandbox in the error (default: the path).
     """
+    import asyncio
+
     loop = asyncio.get_running_loop()
     failures: list[str] = []
     errnos: list[int] = []

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
 import subprocess
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Final, TypeAlias
+from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 from podgate.files import atomic_write
 from podgate.model import ProcessRef
+
+if TYPE_CHECKING:  # imported where used: see podgate.linux.forker
+    import asyncio
 
 __all__ = [
     "Spawn",
@@ -97,6 +99,8 @@ def is_alive(ref: ProcessRef) -> bool:
 
 async def wait_gone(ref: ProcessRef, timeout: float) -> bool:
     """Wait up to `timeout` seconds for the process to exit; True once it has."""
+    import asyncio
+
     if not is_alive(ref):
         return True
     try:
@@ -128,6 +132,8 @@ def _resolve(future: asyncio.Future[None]) -> None:
 
 
 async def _poll_gone(ref: ProcessRef, timeout: float) -> bool:
+    import asyncio
+
     deadline = time.monotonic() + timeout
     while is_alive(ref):
         if time.monotonic() >= deadline:
@@ -212,6 +218,8 @@ Spawn: TypeAlias = Callable[[str, list[str], str], Awaitable[None]]
 
 async def spawn_detached(argv: list[str], log_file: str) -> None:
     """Start a helper that daemonizes itself (new session, stdio to /dev/null and `log_file`)."""
+    import asyncio
+
     code = await asyncio.to_thread(_spawn_and_reap, argv, log_file)
     if code != 0:
         raise SpawnError(f"{' '.join(argv[:3])} exited with {code}: {log_tail(log_file)}")
@@ -229,6 +237,8 @@ def log_tail(path: str, limit: int = _LOG_TAIL_BYTES) -> str:
 
 async def wait_ready_file(path: str, timeout: float, log_file: str) -> dict[str, Any]:
     """Poll for a helper's ready file; SpawnError with its message (or log tail) on failure."""
+    import asyncio
+
     deadline = time.monotonic() + timeout
     while True:
         try:

@@ -14,12 +14,13 @@ The runtime signals the container process directly by its host pid from the read
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import ctypes
 import errno
 import fcntl
+import json
 import os
+import select
 import signal
 import socket
 import struct
@@ -28,7 +29,7 @@ import termios
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, Final
+from typing import TYPE_CHECKING, Any, BinaryIO, Final
 
 from podgate.aio.errors import map_os_errors
 from podgate.linux import ns
@@ -57,6 +58,9 @@ from podgate.proto.attach import (
     Stdout,
 )
 
+if TYPE_CHECKING:  # the client side's; a shim runs no event loop (imported where used)
+    import asyncio
+
 __all__ = [
     "DEFAULT_PATH",
     "MAX_LOG_LINE",
@@ -73,6 +77,7 @@ __all__ = [
     "read_exit_file",
     "rfc3339nano",
     "start_shim",
+    "warm",
 ]
 
 # containerd's default max_container_log_line_size, bytes: longer lines become P entries.
@@ -246,7 +251,7 @@ class ShimError(SpawnError):
     """The shim could not start the container; the message says why (runc-like wording)."""
 
 
-# -- starting the container (synchronous, before the event loop exists)
+# -- starting the container (synchronous, before the loop runs)
 
 
 class _StartError(Exception):
@@ -439,9 +444,12 @@ _PR_SET_CHILD_SUBREAPER: Final = 36
 _CONSOLE_MSG_BYTES: Final = 4096
 
 
+# libc, opened once: in the forker, so a forked shim shares it.
+_LIBC: Final = ctypes.CDLL(None, use_errno=True)
+
+
 def _set_subreaper() -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+    if _LIBC.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"PR_SET_CHILD_SUBREAPER: {os.strerror(err)}")
 
@@ -503,7 +511,7 @@ def _start_oci(spec: ShimSpec) -> tuple[int, _Stdio]:
             stdin = os.dup(master) if spec.stdin else None
             stdio = _Stdio((-1, -1, -1), [], stdin, {"stdout": master}, master)
         runc.run_sync(["start", spec.container_id], stderr=sys.stderr.fileno())
-        with open(pid_file, encoding="ascii") as f:
+        with open(pid_file, "rb") as f:  # bytes: no codec module for a forked shim to import
             pid = int(f.read().strip())
     except RuncError as exc:
         with contextlib.suppress(RuncError):
@@ -545,74 +553,24 @@ def _listen(path: str) -> socket.socket:
 
 
 # -- the running shim
+#
+# One poll loop, no asyncio: an event loop's objects and the code it runs cost every shim
+# about 1 MiB of pages it would otherwise share with the forker (see bench/README.md).
+
+_IN: Final = select.POLLIN
+_OUT: Final = select.POLLOUT
+_HANGUP: Final = select.POLLHUP | select.POLLERR | select.POLLNVAL
 
 
-class _InputPipe:
-    """The container's stdin: buffered non-blocking writes with a high-water wait."""
+class _Client:
+    """One attached client: its socket, codec and the output it has not taken yet."""
 
-    def __init__(self, fd: int) -> None:
-        self._fd = fd
-        self._buffer = bytearray()
-        self._closing = False
-        self._closed = False
-        self._waiters: list[asyncio.Future[None]] = []
-        self._loop = asyncio.get_running_loop()
-        os.set_blocking(fd, False)
+    __slots__ = ("codec", "out", "sock")
 
-    async def write(self, data: bytes) -> None:
-        if self._closing:
-            return
-        self._buffer += data
-        self._flush()
-        while len(self._buffer) > STDIN_HIGH_WATER and not self._closed:
-            waiter = self._loop.create_future()
-            self._waiters.append(waiter)
-            await waiter
-
-    def close(self) -> None:
-        self._closing = True
-        if not self._buffer:
-            self._finish()
-
-    def _flush(self) -> None:
-        if self._closed:
-            self._buffer.clear()
-            return
-        try:
-            written = os.write(self._fd, self._buffer)
-        except BlockingIOError:
-            written = 0
-        except OSError:  # EPIPE/EIO: the container stopped reading; drop its input
-            self._buffer.clear()
-            self._finish()
-            return
-        del self._buffer[:written]
-        if self._buffer:
-            self._loop.add_writer(self._fd, self._on_writable)
-            return
-        self._loop.remove_writer(self._fd)
-        self._wake()
-        if self._closing:
-            self._finish()
-
-    def _on_writable(self) -> None:
-        self._flush()
-        if len(self._buffer) <= STDIN_HIGH_WATER:
-            self._wake()
-
-    def _wake(self) -> None:
-        for waiter in self._waiters:
-            if not waiter.done():
-                waiter.set_result(None)
-        self._waiters.clear()
-
-    def _finish(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._loop.remove_writer(self._fd)
-        os.close(self._fd)
-        self._wake()
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.codec = AttachCodec(Role.SHIM)
+        self.out = bytearray()
 
 
 class _Shim:
@@ -627,13 +585,19 @@ class _Shim:
         self.spec = spec
         self.pid = pid
         self.stdio = stdio
-        self.listener = listener
+        self.listener: socket.socket | None = listener
         self.log = log
-        self.clients: dict[asyncio.StreamWriter, AttachCodec] = {}
-        self.stdin: _InputPipe | None = None
+        self.poll = select.poll()
+        self.clients: dict[int, _Client] = {}  # by fd
+        self.outputs = {fd: stream for stream, fd in stdio.outputs.items()}
+        self.stdin = stdio.stdin
+        self.stdin_buffer = bytearray()
+        self.stdin_closing = False
         self.cri = CriLogWriter(self._write_log)
-        self.output_done: dict[str, asyncio.Future[None]] = {}
-        self.exit_code: int | None = None  # set once clients are being sent EXIT
+        self.reopen = False
+        self.wakeup = -1
+
+    # -- the log
 
     def _reopen_log(self) -> None:
         """The kubelet's rotation renamed the log: continue in a new file at its path."""
@@ -656,85 +620,6 @@ class _Shim:
         except OSError as exc:  # keep draining the container even if the disk is full
             print(f"shim: log write failed: {exc}", file=sys.stderr)
 
-    async def run(self) -> int:
-        loop = asyncio.get_running_loop()
-        if self.stdio.stdin is not None:
-            self.stdin = _InputPipe(self.stdio.stdin)
-        for stream, fd in self.stdio.outputs.items():
-            os.set_blocking(fd, False)
-            self.output_done[stream] = loop.create_future()
-            loop.add_reader(fd, self._on_output, stream, fd)
-        exited: asyncio.Future[None] = loop.create_future()
-        pidfd = os.pidfd_open(self.pid)
-        loop.add_reader(pidfd, _resolve, exited)
-        server = await asyncio.start_unix_server(self._serve_client, sock=self.listener)
-        loop.add_signal_handler(signal.SIGUSR1, self._reopen_log)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
-        try:
-            await exited
-            loop.remove_reader(pidfd)
-            exit_code = _reap(self.pid)
-            reason = "Completed" if exit_code == 0 else "Error"
-            if self.spec.oci:
-                oom = await asyncio.to_thread(_finish_oci, self.spec)
-                if oom:
-                    reason = "OOMKilled"
-            await self._drain_output()
-            self._flush_log()
-            atomic_write_json(
-                self.spec.exit_file,
-                {"exit_code": exit_code, "finished_at": time.time_ns(), "reason": reason},
-            )
-            server.close()
-            self.exit_code = exit_code
-            await self._close_clients(exit_code)
-        finally:
-            os.close(pidfd)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.spec.attach_socket)
-            if self.stdin is not None:
-                self.stdin.close()
-            if self.stdio.master is not None:
-                os.close(self.stdio.master)
-        return 0
-
-    def _on_output(self, stream: str, fd: int) -> None:
-        try:
-            data = os.read(fd, READ_BYTES)
-        except BlockingIOError:
-            return
-        except OSError:  # EIO from a pty master once the last slave fd is closed
-            data = b""
-        if not data:
-            self._end_output(stream, fd)
-            return
-        self.cri.feed(stream, data, time.time_ns())
-        event: Event = Stderr(data) if stream == "stderr" else Stdout(data)
-        for writer, codec in list(self.clients.items()):
-            writer.write(codec.send(event))
-            if writer.transport.get_write_buffer_size() > CLIENT_OUTPUT_LIMIT:
-                print("shim: dropping an attached client that stopped reading", file=sys.stderr)
-                self._drop_client(writer)
-
-    def _end_output(self, stream: str, fd: int) -> None:
-        asyncio.get_running_loop().remove_reader(fd)
-        if fd != self.stdio.master:
-            os.close(fd)
-        self.cri.finish(stream, time.time_ns())
-        done = self.output_done[stream]
-        if not done.done():
-            done.set_result(None)
-
-    async def _drain_output(self) -> None:
-        try:
-            async with asyncio.timeout(OUTPUT_DRAIN_SECONDS):
-                await asyncio.gather(*self.output_done.values())
-        except TimeoutError:
-            # Something else in the container still holds the pipe: stop listening.
-            for stream, fd in self.stdio.outputs.items():
-                if not self.output_done[stream].done():
-                    self._end_output(stream, fd)
-
     def _flush_log(self) -> None:
         if self.log is not None:
             try:
@@ -743,73 +628,366 @@ class _Shim:
             except OSError as exc:
                 print(f"shim: log flush failed: {exc}", file=sys.stderr)
 
-    def _drop_client(self, writer: asyncio.StreamWriter) -> None:
-        self.clients.pop(writer, None)
-        writer.transport.abort()
+    def _on_sigusr1(self, signum: int, frame: object) -> None:
+        self.reopen = True  # handled by the loop, never in the middle of a log write
 
-    async def _close_clients(self, exit_code: int) -> None:
-        writers = list(self.clients.items())
-        self.clients.clear()
-        for writer, codec in writers:
-            writer.write(codec.send(Exit(exit_code)))
-            writer.close()
-        if not writers:
+    # -- the loop
+
+    def run(self) -> int:
+        wake_r, self.wakeup = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        pidfd = os.pidfd_open(self.pid)
+        try:
+            for fd in self.outputs:
+                os.set_blocking(fd, False)
+                self.poll.register(fd, _IN)
+            if self.stdin is not None:
+                os.set_blocking(self.stdin, False)
+            assert self.listener is not None
+            self.listener.setblocking(False)
+            self.poll.register(self.listener, _IN)
+            self.poll.register(pidfd, _IN)
+            self.poll.register(wake_r, _IN)
+            signal.set_wakeup_fd(self.wakeup, warn_on_full_buffer=False)
+            signal.signal(signal.SIGUSR1, self._on_sigusr1)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
+            exited = False
+            while not exited:
+                exited = self._step(pidfd, wake_r, None)
+            self.poll.unregister(pidfd)
+            exit_code = _reap(self.pid)
+            reason = "Completed" if exit_code == 0 else "Error"
+            if self.spec.oci and _finish_oci(self.spec):
+                reason = "OOMKilled"
+            self._drain_output(wake_r)
+            self._flush_log()
+            _publish_json(
+                self.spec.exit_file,
+                {"exit_code": exit_code, "finished_at": time.time_ns(), "reason": reason},
+            )
+            self._close_listener()
+            self._close_clients(exit_code, wake_r)
+        finally:
+            os.close(pidfd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.spec.attach_socket)
+            self._close_stdin()
+            if self.stdio.master is not None:
+                os.close(self.stdio.master)
+        return 0
+
+    def _step(self, pidfd: int, wake_r: int, deadline: float | None) -> bool:
+        """One wait and what it brought; True once the container exited."""
+        timeout = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
+        exited = False
+        for fd, mask in self.poll.poll(timeout):
+            if fd == pidfd:
+                exited = True
+            elif fd == wake_r:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(wake_r, 64)
+            elif fd in self.outputs:
+                self._on_output(fd)
+            elif fd == self.stdin:
+                self._flush_stdin()
+            elif self.listener is not None and fd == self.listener.fileno():
+                self._accept()
+            elif fd in self.clients:
+                self._on_client(self.clients[fd], mask)
+        if self.reopen:
+            self.reopen = False
+            self._reopen_log()
+        return exited
+
+    def _drain_output(self, wake_r: int) -> None:
+        deadline = time.monotonic() + OUTPUT_DRAIN_SECONDS
+        while self.outputs and time.monotonic() < deadline:
+            self._step(-1, wake_r, deadline)
+        # Something else in the container still holds the pipe: stop listening.
+        for fd in list(self.outputs):
+            self._end_output(fd)
+
+    # -- the container's output
+
+    def _on_output(self, fd: int) -> None:
+        try:
+            data = os.read(fd, READ_BYTES)
+        except BlockingIOError:
+            return
+        except OSError:  # EIO from a pty master once the last slave fd is closed
+            data = b""
+        if not data:
+            self._end_output(fd)
+            return
+        stream = self.outputs[fd]
+        self.cri.feed(stream, data, time.time_ns())
+        event: Event = Stderr(data) if stream == "stderr" else Stdout(data)
+        for client in list(self.clients.values()):
+            self._send(client, client.codec.send(event))
+            if len(client.out) > CLIENT_OUTPUT_LIMIT:
+                print("shim: dropping an attached client that stopped reading", file=sys.stderr)
+                self._drop(client)
+
+    def _end_output(self, fd: int) -> None:
+        stream = self.outputs.pop(fd)
+        self.poll.unregister(fd)
+        if fd != self.stdio.master:
+            os.close(fd)
+        self.cri.finish(stream, time.time_ns())
+
+    # -- the container's stdin
+
+    def _write_stdin(self, data: bytes) -> None:
+        if self.stdin is None or self.stdin_closing:
+            return
+        self.stdin_buffer += data
+        self._flush_stdin()
+
+    def _flush_stdin(self) -> None:
+        if self.stdin is None:
             return
         try:
-            async with asyncio.timeout(CLIENT_CLOSE_SECONDS):
-                await asyncio.gather(*(w.wait_closed() for w, _ in writers), return_exceptions=True)
-        except TimeoutError:
-            for writer, _ in writers:
-                writer.transport.abort()
-
-    async def _serve_client(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        codec = AttachCodec(Role.SHIM)
-        if self.exit_code is not None:  # accepted just before the server closed
-            writer.write(codec.send(Exit(self.exit_code)))
-            writer.close()
+            written = os.write(self.stdin, self.stdin_buffer) if self.stdin_buffer else 0
+        except BlockingIOError:
+            written = 0
+        except OSError:  # EPIPE/EIO: the container stopped reading; drop its input
+            self.stdin_buffer.clear()
+            self._close_stdin()
             return
-        self.clients[writer] = codec
+        del self.stdin_buffer[:written]
+        if not self.stdin_buffer and self.stdin_closing:
+            self._close_stdin()
+            return
+        self._set_mask(self.stdin, _OUT if self.stdin_buffer else 0)
+        # Clients wait (are not read) while the container has a full buffer of their input.
+        paused = len(self.stdin_buffer) > STDIN_HIGH_WATER
+        for client in self.clients.values():
+            self._client_mask(client, paused)
+
+    def _end_stdin(self) -> None:
+        self.stdin_closing = True
+        if not self.stdin_buffer:
+            self._close_stdin()
+
+    def _close_stdin(self) -> None:
+        fd, self.stdin = self.stdin, None
+        if fd is None:
+            return
+        self.stdin_buffer.clear()
+        self._set_mask(fd, 0)
+        os.close(fd)
+        for client in self.clients.values():
+            self._client_mask(client, False)
+
+    # -- attached clients
+
+    def _accept(self) -> None:
+        assert self.listener is not None
         try:
-            while writer in self.clients:
-                data = await reader.read(READ_BYTES)
-                if not data:
-                    codec.receive_eof()
-                    break
-                if not await self._handle(codec.receive_data(data)):
-                    break
+            sock, _ = self.listener.accept()
+        except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+            return
+        sock.setblocking(False)
+        client = _Client(sock)
+        self.clients[sock.fileno()] = client
+        self._client_mask(client, len(self.stdin_buffer) > STDIN_HIGH_WATER)
+
+    def _on_client(self, client: _Client, mask: int) -> None:
+        if mask & _OUT:
+            self._send(client, b"")
+        if mask & (_IN | _HANGUP) and client.sock.fileno() in self.clients:
+            self._read_client(client)
+
+    def _read_client(self, client: _Client) -> None:
+        try:
+            try:
+                data = client.sock.recv(READ_BYTES)
+            except (BlockingIOError, InterruptedError):
+                return
+            if not data:
+                client.codec.receive_eof()
+                self._detach(client)
+                return
+            for event in client.codec.receive_data(data):
+                if not self._handle(event):
+                    self._detach(client)
+                    return
         except AttachProtocolError as exc:
             print(f"shim: dropping attach client: {exc}", file=sys.stderr)
+            self._drop(client)
         except ConnectionError:
-            pass
-        finally:
-            if self.clients.pop(writer, None) is not None:
-                writer.close()
+            self._drop(client)
 
-    async def _handle(self, events: list[Event]) -> bool:
-        """Apply one client's events; False when that client detaches."""
-        for event in events:
-            if isinstance(event, Stdin):
-                if self.stdin is not None:
-                    await self.stdin.write(event.data)
-            elif isinstance(event, StdinClose):
-                # containerd: with stdinOnce (and no tty) the container's stdin closes and
-                # the client keeps its output; otherwise the client's session just ends.
-                if not (self.spec.stdin_once and not self.spec.tty):
-                    return False
-                if self.stdin is not None:
-                    self.stdin.close()
-            elif isinstance(event, Resize) and self.stdio.master is not None:
-                winsize = struct.pack("HHHH", event.height, event.width, 0, 0)
-                with contextlib.suppress(OSError):
-                    fcntl.ioctl(self.stdio.master, termios.TIOCSWINSZ, winsize)
+    def _handle(self, event: Event) -> bool:
+        """Apply one client event; False when that client detaches."""
+        if isinstance(event, Stdin):
+            self._write_stdin(event.data)
+        elif isinstance(event, StdinClose):
+            # containerd: with stdinOnce (and no tty) the container's stdin closes and the
+            # client keeps its output; otherwise the client's session just ends.
+            if not (self.spec.stdin_once and not self.spec.tty):
+                return False
+            self._end_stdin()
+        elif isinstance(event, Resize) and self.stdio.master is not None:
+            winsize = struct.pack("HHHH", event.height, event.width, 0, 0)
+            with contextlib.suppress(OSError):
+                fcntl.ioctl(self.stdio.master, termios.TIOCSWINSZ, winsize)
         return True
 
+    def _send(self, client: _Client, data: bytes) -> None:
+        """Queue `data` for the client and write what its socket takes now."""
+        client.out += data
+        if client.out:
+            try:
+                sent = client.sock.send(client.out)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError:
+                self._drop(client)
+                return
+            del client.out[:sent]
+        self._client_mask(client, len(self.stdin_buffer) > STDIN_HIGH_WATER)
 
-def _resolve(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
+    def _client_mask(self, client: _Client, paused: bool) -> None:
+        fd = client.sock.fileno()
+        if fd in self.clients:
+            self._set_mask(fd, (0 if paused else _IN) | (_OUT if client.out else 0))
+
+    def _set_mask(self, fd: int, mask: int) -> None:
+        if mask:
+            self.poll.register(fd, mask)  # registers or modifies
+        else:
+            with contextlib.suppress(KeyError):
+                self.poll.unregister(fd)
+
+    def _detach(self, client: _Client) -> None:
+        """The client's session ended: what it was owed is sent as far as it goes, then it
+        is closed."""
+        if client.out:
+            with contextlib.suppress(OSError):
+                client.sock.send(client.out)
+        self._drop(client)
+
+    def _drop(self, client: _Client) -> None:
+        fd = client.sock.fileno()
+        if self.clients.pop(fd, None) is not None:
+            self._set_mask(fd, 0)
+            client.sock.close()
+
+    def _close_listener(self) -> None:
+        listener, self.listener = self.listener, None
+        if listener is not None:
+            self._set_mask(listener.fileno(), 0)
+            listener.close()
+
+    def _close_clients(self, exit_code: int, wake_r: int) -> None:
+        """Send EXIT to every client, give them CLIENT_CLOSE_SECONDS to take what they are
+        owed, then close them."""
+        self._close_stdin()
+        for client in list(self.clients.values()):
+            self._send(client, client.codec.send(Exit(exit_code)))
+        deadline = time.monotonic() + CLIENT_CLOSE_SECONDS
+        while any(c.out for c in self.clients.values()) and time.monotonic() < deadline:
+            self._step(-1, wake_r, deadline)
+        for client in list(self.clients.values()):
+            self._drop(client)
+
+
+# Calls before a function's code is quickened (CPython 3.11 specializes a code object after a
+# few calls and then stops writing to it on every call).
+_WARM_ROUNDS: Final = 10
+
+
+def warm(directory: str) -> None:
+    """Run the steps of a shim's life that need no container, in `directory` (left empty).
+
+    A forker calls this before it forks shims: the code they run is then already quickened
+    and what it creates lazily (caches, name generators) exists, so a forked shim writes fewer
+    of the pages it shares with the forker and the other shims.
+    """
+    for _ in range(_WARM_ROUNDS):
+        _warm_round(directory)
+        _trim_heap()
+
+
+def _warm_round(directory: str) -> None:
+    spec = ShimSpec(
+        container_id="warm",
+        command=["true"],
+        exit_file=os.path.join(directory, "exit"),
+        attach_socket=os.path.join(directory, "attach.sock"),
+        ready_file=os.path.join(directory, "ready"),
+    )
+    spec_file = os.path.join(directory, "spec")
+    atomic_write_json(spec_file, spec.to_json())
+    spec = ShimSpec.from_json(read_json(spec_file))
+    _parse_args(["--spec", spec_file, "--foreground"])
+    me = process_ref(os.getpid())
+    # The OCI path short of running the runtime: a subreaper flag of 0 changes nothing.
+    _LIBC.prctl(_PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+    runc = Runc(os.devnull, directory, os.path.join(directory, "runc.log"))
+    runc.argv(*runc.create_args(spec.container_id, directory, os.path.join(directory, "pid")))
+    runc.error_since(0)
+    _publish_json(spec.ready_file, {"shim_pid": me.pid, "started_at": time.time_ns()})
+    listener = _listen(spec.attach_socket)
+    stdio = _open_stdio(spec)
+    for fd in stdio.to_close_after_fork:
+        os.close(fd)
+    shim = _Shim(spec, os.getpid(), stdio, listener, None)
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        client.connect(spec.attach_socket)
+        shim._accept()
+        codec = AttachCodec(Role.CLIENT)
+        client.sendall(codec.send(Resize(80, 24)) + codec.send(Stdin(b"x")))
+        fd = stdio.outputs["stdout"]
+        os.set_blocking(fd, False)
+        shim.poll.register(fd, _IN)
+        for attached in list(shim.clients.values()):
+            shim._read_client(attached)
+            shim._on_output(fd)  # nothing to read yet
+            shim.cri.feed("stdout", b"warm\n", time.time_ns())
+            shim._send(attached, attached.codec.send(Stdout(b"warm\n")))
+            shim._send(attached, attached.codec.send(Exit(0)))
+            codec.receive_data(client.recv(READ_BYTES))
+            shim._drop(attached)
+        for out in list(shim.outputs):
+            shim.poll.register(out, _IN)
+            shim._end_output(out)
+        shim._close_listener()
+    finally:
+        client.close()
+        for path in (spec_file, spec.ready_file, spec.attach_socket):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
+def _trim_heap() -> None:
+    """Give back the free pages of the C heap that starting the container left."""
+    with contextlib.suppress(AttributeError):  # not glibc
+        _LIBC.malloc_trim(0)
+
+
+def _publish_json(path: str, obj: dict[str, Any]) -> None:
+    """Replace `path` with `obj` as JSON, atomically and durably, as atomic_write_json does
+    but without tempfile and pathlib, whose code a forked shim would run and so copy the
+    pages of. Only this shim writes its ready and exit files: a fixed temporary name will do."""
+    data = json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
+    tmp = f"{path}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    directory = os.open(os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
 
 
 def _reap(pid: int) -> int:
@@ -867,14 +1045,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             listener.close()
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(spec.attach_socket)
-        atomic_write_json(spec.ready_file, {"error": message})
+        _publish_json(spec.ready_file, {"error": message})
         return 1
-    # SIGUSR1 (reopen the log) stays pending until the event loop handles it; blocked only
+    # SIGUSR1 (reopen the log) stays pending until the loop handles it; blocked only
     # now, so the container never inherits the mask. The runtime learns our pid below.
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
     shim = process_ref(os.getpid())
     container = process_ref(pid)
-    atomic_write_json(
+    _publish_json(
         spec.ready_file,
         {
             "shim_pid": shim.pid,
@@ -884,7 +1062,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "started_at": time.time_ns(),
         },
     )
-    return asyncio.run(_Shim(spec, pid, stdio, listener, log).run())
+    running = _Shim(spec, pid, stdio, listener, log)
+    _trim_heap()
+    return running.run()
 
 
 async def start_shim(
@@ -1007,6 +1187,8 @@ class AttachConnection:
 
 async def attach(socket_path: str) -> AttachConnection:
     """Connect to a shim's attach socket (ConnectError if the shim is gone)."""
+    import asyncio
+
     with map_os_errors():
         reader, writer = await asyncio.open_unix_connection(socket_path)
     return AttachConnection(reader, writer)

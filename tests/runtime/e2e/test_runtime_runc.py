@@ -60,7 +60,7 @@ MASKED_FILE = "/etc/masked-secret"
 MASKED_TEXT = "only the image knows\n"
 # Waits until its terminal is 132x43, then says so and exits.
 WAIT_FOR_SIZE = (
-    'while :; do s=$(stty size); [ "$s" = "43 132" ] && { echo "now $s"; exit 0; }; '
+    'while :; do s=$(stty size 2>/dev/null); [ "$s" = "43 132" ] && { echo "now $s"; exit 0; }; '
     "sleep 0.05; done"
 )
 

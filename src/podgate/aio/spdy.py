@@ -29,6 +29,7 @@ from podgate.aio.errors import (
     StalledStreamError,
     StreamError,
     StreamResetError,
+    fresh,
 )
 from podgate.aio.streams import (
     DEFAULT_RECEIVE_BYTES,
@@ -163,11 +164,11 @@ class SpdyStream(ByteStream):
             if self._closed:
                 raise ClosedStreamError("stream is closed")
             if self._reset is not None:
-                raise self._reset
+                raise fresh(self._reset)
             if self._fin_received:
                 return b""
             if self._lost is not None:
-                raise self._lost
+                raise fresh(self._lost)
             self._readable.clear()
             await self._readable.wait()
         return self._take(max_bytes)
@@ -219,7 +220,7 @@ class SpdyStream(ByteStream):
             return
         session = self.session
         if session.broken is not None:
-            raise session.broken
+            raise fresh(session.broken)
         if session._update_threshold:
             await self._send_windowed(memoryview(data).cast("B"))
             return
@@ -242,7 +243,7 @@ class SpdyStream(ByteStream):
         if self._closed:
             raise ClosedStreamError("write on closed stream")
         if self._reset is not None:
-            raise self._reset
+            raise fresh(self._reset)
         if self._fin_sent:
             raise ClosedStreamError("write after EOF")
 
@@ -254,7 +255,7 @@ class SpdyStream(ByteStream):
             # Checked again on every turn: the stream or the connection may end while we wait.
             self._check_writable()
             if session.broken is not None:
-                raise session.broken
+                raise fresh(session.broken)
             try:
                 window = core.send_window(self.stream_id)
             except ProtocolError as exc:
@@ -544,7 +545,7 @@ class SpdySession:
     ) -> SpdyStream:
         """SYN_STREAM, then wait for SYN_REPLY; a RST instead raises StreamResetError."""
         if self.broken is not None:
-            raise self.broken
+            raise fresh(self.broken)
         stream_id = self._core.open_stream(headers)
         stream = SpdyStream(self, stream_id, headers)
         self._streams[stream_id] = stream
@@ -563,7 +564,7 @@ class SpdySession:
     async def ping(self, timeout: float = 10.0) -> float:
         """Round-trip time of one PING in seconds."""
         if self.broken is not None:
-            raise self.broken
+            raise fresh(self.broken)
         ping_id = self._core.ping()
         waiter: asyncio.Future[None] = self._loop.create_future()
         self._ping_waiters[ping_id] = waiter
@@ -571,7 +572,7 @@ class SpdySession:
         self._flush()
         if self.broken is not None:  # the write failed: no answer can come
             self._ping_waiters.pop(ping_id, None)
-            raise self.broken
+            raise fresh(self.broken)
         try:
             await asyncio.wait_for(waiter, timeout)
         finally:
@@ -654,12 +655,12 @@ class SpdySession:
 
     async def _drain(self) -> None:
         if self.broken is not None:
-            raise self.broken
+            raise fresh(self.broken)
         try:
             await self._wire.drain()
         except StreamError as exc:
             self.broken = BrokenStreamError(f"connection lost: {exc}")
-            raise self.broken from exc
+            raise fresh(self.broken) from exc
         # Let the read loop run even when the socket takes everything at once: a writer in a
         # tight loop would otherwise never see the peer's RST_STREAM or GOAWAY.
         await asyncio.sleep(0)
@@ -724,7 +725,7 @@ class SpdySession:
             self.broken = BrokenStreamError(f"connection closed{f': {reason}' if reason else ''}")
         for waiter in [*self._reply_waiters.values(), *self._ping_waiters.values()]:
             if not waiter.done():
-                waiter.set_exception(self.broken)
+                waiter.set_exception(fresh(self.broken))
         for stream in list(self._streams.values()):
             # Data already received stays readable. Then, after the peer's GOAWAY, EOF (as
             # spdystream); after a connection lost without one, a stream the peer had not

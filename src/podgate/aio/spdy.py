@@ -108,6 +108,30 @@ MAX_STREAMS_PER_SESSION = 512
 _CONTROL_EVENTS = (PingReceived, SettingsReceived, WindowUpdateReceived, StreamReset)
 
 
+class ControlBudget:
+    """A token bucket of control frames (CONTROL_FRAME_BURST, refilled at
+    CONTROL_FRAMES_PER_SECOND). Each session has its own unless it is given one: a gateway
+    shares one among all sessions of a user, so a flooder who reconnects gets no fresh burst."""
+
+    __slots__ = ("_stamp", "_tokens", "burst", "rate")
+
+    def __init__(
+        self, burst: float = CONTROL_FRAME_BURST, rate: float = CONTROL_FRAMES_PER_SECOND
+    ) -> None:
+        self.burst = float(burst)
+        self.rate = rate
+        self._tokens = self.burst
+        self._stamp: float | None = None
+
+    def charge(self, count: int, now: float) -> bool:
+        """Take `count` frames at loop time `now`; False once the bucket is overdrawn."""
+        if self._stamp is not None:
+            self._tokens = min(self.burst, self._tokens + (now - self._stamp) * self.rate)
+        self._stamp = now
+        self._tokens -= count
+        return self._tokens >= 0
+
+
 class SpdyStream(ByteStream):
     """One SPDY stream as a half-closeable ByteStream."""
 
@@ -395,11 +419,15 @@ class SpdySession:
         stalled_reset_seconds: float = STALLED_STREAM_RESET_SECONDS,
         name: str = "spdy",
         max_streams: int = MAX_STREAMS_PER_SESSION,
+        control_budget: ControlBudget | None = None,
+        on_flood: Callable[[], None] | None = None,
     ) -> None:
         """`flow_control_window`: per-stream flow control with this window each way, for a
         peer known to do the same (see the module docstring); None for every Kubernetes peer.
         `stalled_reset_seconds`: see STALLED_STREAM_RESET_SECONDS.
-        `max_streams`: streams open at once before the peer's next one is refused."""
+        `max_streams`: streams open at once before the peer's next one is refused.
+        `control_budget`: the peer's control frames are charged here (default: a bucket of
+        this session's own). `on_flood`: called when the session is ended for a flood."""
         if max_streams < 1:
             raise ValueError("max_streams must be positive")
         self.stalled_reset_seconds = stalled_reset_seconds
@@ -432,8 +460,8 @@ class SpdySession:
         self._room.set()
         self._last_read = self._loop.time()  # the last read on any stream
         self._over_since = self._last_read  # when _queued last went over the budget
-        self._control_tokens = float(CONTROL_FRAME_BURST)
-        self._control_stamp = self._loop.time()
+        self._control_budget = control_budget or ControlBudget()
+        self._on_flood = on_flood
 
     # -- lifecycle
     async def run(self) -> None:
@@ -506,20 +534,13 @@ class SpdySession:
 
     def _within_control_budget(self, count: int) -> bool:
         """Charge `count` control frames to the session's token bucket."""
-        if not count:
-            return True
-        now = self._loop.time()
-        self._control_tokens = min(
-            float(CONTROL_FRAME_BURST),
-            self._control_tokens + (now - self._control_stamp) * CONTROL_FRAMES_PER_SECOND,
-        )
-        self._control_stamp = now
-        self._control_tokens -= count
-        return self._control_tokens >= 0
+        return not count or self._control_budget.charge(count, self._loop.time())
 
     def _refuse_flood(self) -> None:
         """GOAWAY(PROTOCOL_ERROR) without the echoes this read queued, then the session ends."""
         log.warning("%s: control frame flood from peer, closing with GOAWAY", self.name)
+        if self._on_flood is not None:
+            self._on_flood()
         self._core.buffers_to_send()  # drop the PING echoes of the flood
         self._reset_all()
         with contextlib.suppress(ProtocolError, StreamError):

@@ -33,6 +33,7 @@ from typing import Any
 from rich.console import Console
 
 from bench.common import format_size, parse_size
+from bench.procs import run_seconds
 from bench.report import REPORT_WIDTH, markdown_tables, print_tables
 
 REPO = Path(__file__).resolve().parents[1]
@@ -69,6 +70,11 @@ def percentile(samples: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def unary_calls(calls: int, rounds: int) -> int:
+    """Calls unary_latency makes on each path (both methods, the warm-up included)."""
+    return 2 * (WARMUP_CALLS + calls * rounds)
+
+
 def unary_latency(
     sockets: dict[str, Path], calls: int, sandbox_id: str, rounds: int = 1
 ) -> list[dict[str, Any]]:
@@ -79,7 +85,7 @@ def unary_latency(
 
     from podgate.cri import api_pb2 as pb
 
-    requests = {
+    requests = {  # unary_calls counts these
         "Version": pb.VersionRequest(version="v1").SerializeToString(),
         "PodSandboxStatus": pb.PodSandboxStatusRequest(
             pod_sandbox_id=sandbox_id
@@ -211,6 +217,7 @@ def run_proxy(
     section: dict[str, Any] = {
         "meta": {"calls": calls, "size": size, "runs": runs},
         "unary": [],
+        "cpu_us_per_call": {},
         "throughput": [],
         "error": None,
     }
@@ -241,6 +248,7 @@ def run_proxy(
             wait_listening(proxied_port)
             proxies = []
             floors: list[subprocess.Popen[bytes]] = []
+            pids: dict[str, int] = {}  # the process each path but direct runs through
             sockets = {"direct": ctrd.socket}
             planes = [(p, f"proxy ({p})", None) for p in DATA_PLANES] + [
                 ("relay", f"proxy (relay, {src})", src) for src in relay_sources
@@ -262,6 +270,7 @@ def run_proxy(
                 )
                 proxies.append(process)
                 sockets[label] = sock
+                pids[label] = process.proc.pid
             proxy_sock = sockets[f"proxy ({DATA_PLANES[0]})"]
             # The floor of any relay: socat copying bytes between the two sockets in C, one
             # more hop and nothing else.
@@ -269,9 +278,16 @@ def run_proxy(
                 floor = work / "socat.sock"
                 floors.append(start_socat(floor, ctrd.socket, work / "socat.log"))
                 sockets[SOCAT_PATH] = floor
+                pids[SOCAT_PATH] = floors[-1].pid
             try:
                 progress(f"proxy: {calls} unary calls per method and path")
+                before = {path: run_seconds(pid) for path, pid in pids.items()}
                 section["unary"] = unary_latency(sockets, calls, plain.sandbox_id, runs)
+                # Each process's CPU (socat's forks included) over the calls through it.
+                section["cpu_us_per_call"] = {
+                    path: (run_seconds(pid) - before[path]) / unary_calls(calls, runs) * 1e6
+                    for path, pid in pids.items()
+                }
                 for run in range(runs):
                     progress(f"proxy: echo {format_size(size)}, run {run + 1}/{runs}")
                     for path, sock, pod, port in (
@@ -305,6 +321,7 @@ def _mb_s(size: int, seconds: float) -> float:
 
 def _tables(section: dict[str, Any]) -> list[tuple[str, str, tuple[str, ...], list[list[str]]]]:
     meta = section["meta"]
+    cpu = section.get("cpu_us_per_call", {})
     unary_rows = [
         [
             r["method"],
@@ -312,6 +329,7 @@ def _tables(section: dict[str, Any]) -> list[tuple[str, str, tuple[str, ...], li
             f"{r['p50_us']:.0f}",
             "–" if r["path"] == "direct" else f"{r['added_p50_us']:+.0f}",
             f"{r['p99_us']:.0f}",
+            f"{cpu[r['path']]:.0f}" if r["path"] in cpu else "–",
         ]
         for r in section["unary"]
     ]
@@ -337,8 +355,9 @@ def _tables(section: dict[str, Any]) -> list[tuple[str, str, tuple[str, ...], li
             f"podgate proxy: unary CRI calls, {meta['calls']} per method and path, median of "
             f"{meta['runs']} round(s) (µs)",
             "Calls interleaved over the paths from one client; added = p50 − direct p50 of the "
-            f"same round (goal ≤ {GOAL_ADDED_P50_US:.0f} µs).",
-            ("method", "path", "p50", "added p50", "p99"),
+            f"same round (goal ≤ {GOAL_ADDED_P50_US:.0f} µs); CPU/call = the path's process "
+            "(user + system), over every call through it, both methods.",
+            ("method", "path", "p50", "added p50", "p99", "CPU/call"),
             unary_rows,
         ),
         (

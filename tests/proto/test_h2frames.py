@@ -113,6 +113,45 @@ def test_split_hands_out_every_completed_byte_in_order(cuts: list[int]) -> None:
     assert out == data
 
 
+@given(st.lists(st.integers(min_value=1, max_value=40), max_size=20))
+def test_split_hands_out_only_the_kinds_asked_for_but_every_byte(cuts: list[int]) -> None:
+    # An unknown frame type (0xfa) and a stream id with the reserved bit set pass as they are.
+    unknown = h2.encode_frame(0xFA, 0x3, 5, b"extension")
+    reserved = bytearray(h2.encode_frame(h2.HEADERS, h2.END_HEADERS, 7, b"\x82"))
+    reserved[5] |= 0x80
+    data = h2.PREFACE + frame_bytes() + unknown + bytes(reserved)
+    splitter = h2.FrameSplitter(preface=True)
+    wanted = h2.kinds(h2.HEADERS, 0xFA)
+    out, frames, pos = b"", [], 0
+    for cut in [*cuts, len(data)]:
+        whole, got = splitter.split(data[pos : pos + cut], wanted)
+        out += bytes(whole)
+        frames += [(f.type, f.flags, f.stream_id, bytes(f.payload), bytes(f.raw)) for f in got]
+        pos += cut
+        if pos >= len(data):
+            break
+    assert out == data
+    assert frames == [
+        (
+            h2.HEADERS,
+            h2.END_HEADERS,
+            1,
+            b"\x82\x86",
+            h2.encode_frame(h2.HEADERS, 4, 1, b"\x82\x86"),
+        ),
+        (0xFA, 0x3, 5, b"extension", unknown),
+        (h2.HEADERS, h2.END_HEADERS, 7, b"\x82", bytes(reserved)),
+    ]
+
+
+def test_a_read_of_whole_frames_is_handed_back_as_it_came() -> None:
+    data = frame_bytes()
+    whole, frames = h2.FrameSplitter().split(data, h2.kinds(h2.SETTINGS))
+    assert whole is data
+    assert [f.type for f in frames] == [h2.SETTINGS]
+    assert h2.FrameSplitter().split(data, 0) == (data, [])
+
+
 def test_a_long_frame_arriving_in_pieces_comes_out_once() -> None:
     frame = h2.encode_frame(h2.DATA, 0, 1, bytes(range(256)) * 64)
     splitter = h2.FrameSplitter()

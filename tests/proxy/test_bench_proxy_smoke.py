@@ -30,9 +30,16 @@ def test_the_proxy_bench_measures_both_paths_with_verified_bytes() -> None:
     for row in section["unary"]:
         assert row["calls"] == 20
         assert row["p50_us"] > 0 and row["p99_us"] >= row["p50_us"]
+    # Every path but direct runs through a process of the bench's, whose CPU is counted.
+    assert set(section["cpu_us_per_call"]) == {
+        "proxy (relay)",
+        "proxy (grpc)",
+        bench_proxy.SOCAT_PATH,
+    }
+    assert all(us > 0 for us in section["cpu_us_per_call"].values())
     paths = [r["path"] for r in section["throughput"]]
     assert len(paths) == 2 and len(set(paths)) == 2
     assert all(r["verified"] and r["seconds"] > 0 for r in section["throughput"])
     assert not bench_proxy.failed(section)
     text = bench_proxy.markdown(section)
-    assert "added p50" in text and "× containerd" in text
+    assert "added p50" in text and "CPU/call" in text and "× containerd" in text

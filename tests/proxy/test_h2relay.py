@@ -166,3 +166,107 @@ async def test_a_header_block_the_relay_cannot_decode_ends_the_connection(
     assert await receive_exactly(ends.upstream, len(bad)) == bad
     async with asyncio.timeout(EXCHANGE_SECONDS):
         await ends.running
+
+
+async def test_a_block_continued_in_continuation_frames_is_read_whole(
+    ends: Ends, intercept: list[Intercept]
+) -> None:
+    seen: list[tuple[str, bytes]] = []
+    intercept.append(lambda method, message: seen.append((method, message)))
+    encoder = hpack.Encoder()
+    block, _ = request(encoder, 1, WATCHED, b"")
+    sent = (
+        h2.encode_frame(h2.HEADERS, 0, 1, block[:2])
+        + h2.encode_frame(h2.CONTINUATION, 0, 1, block[2:5])
+        + h2.encode_frame(h2.CONTINUATION, h2.END_HEADERS, 1, block[5:])
+        + h2.encode_frame(h2.DATA, h2.END_STREAM, 1, h2.encode_grpc_message(b"continued"))
+    )
+    await ends.client.send(sent)
+    assert await receive_exactly(ends.upstream, len(h2.PREFACE + sent)) == h2.PREFACE + sent
+    assert seen == [(WATCHED, b"continued")]
+
+
+async def test_a_call_the_client_resets_is_forgotten(
+    ends: Ends, intercept: list[Intercept]
+) -> None:
+    never: asyncio.Future[Rewrite | None] = asyncio.get_running_loop().create_future()
+    intercept.append(lambda method, message: never)
+    _, watched = request(hpack.Encoder(), 1, WATCHED, b"forward")
+    await ends.client.send(watched)
+    await receive_exactly(ends.upstream, len(h2.PREFACE + watched))
+    assert list(ends.relay.calls) == [1]  # its answer would be held
+    reset = h2.encode_window_update(0, 100) + h2.encode_frame(h2.RST_STREAM, 0, 1, bytes(4))
+    await ends.client.send(reset)
+    assert await receive_exactly(ends.upstream, len(reset)) == reset
+    # Nothing is held any more: the runtime's bytes pass as they come.
+    assert ends.relay.calls == {}
+    never.cancel()
+
+
+async def test_the_runtimes_header_table_size_is_followed(
+    ends: Ends, intercept: list[Intercept]
+) -> None:
+    intercept.append(lambda method, message: None)
+    settings = h2.encode_frame(h2.SETTINGS, 0, 0, b"\x00\x01\x00\x00\x00\x00")  # table size 0
+    sent = (
+        h2.encode_frame(0x6, 0, 0, bytes(8))  # a PING
+        + settings
+        + h2.encode_window_update(0, 1000)
+    )
+    await ends.upstream.send(sent)
+    assert await receive_exactly(ends.client, len(sent)) == sent
+    # A client block that grows the table beyond the runtime's size is refused (RFC 7541
+    # §6.3): passed on as it came, and the relay is over.
+    grow = h2.encode_frame(h2.HEADERS, h2.END_HEADERS, 1, b"\x3f\xe1\x1f\x82\x86")
+    await ends.client.send(grow)
+    assert await receive_exactly(ends.upstream, len(h2.PREFACE + grow)) == h2.PREFACE + grow
+    async with asyncio.timeout(EXCHANGE_SECONDS):
+        await ends.running
+
+
+async def test_a_frame_passed_on_in_part_is_not_repeated_once_answers_are_held(
+    ends: Ends, intercept: list[Intercept]
+) -> None:
+    decided: asyncio.Future[Rewrite | None] = asyncio.get_running_loop().create_future()
+    decided.set_result(lambda message: message.replace(b"url-a", b"URL-B"))
+    intercept.append(lambda method, message: decided)
+    encoder = hpack.Encoder()
+    _, other = request(encoder, 3, OTHER, b"version")
+    await ends.client.send(other)
+    await receive_exactly(ends.upstream, len(h2.PREFACE + other))
+    # The other call's answer arrives cut inside its DATA frame: the start goes on at once.
+    reply = answer(3, b"version reply")
+    await ends.upstream.send(reply[:15])
+    assert await receive_exactly(ends.client, 15) == reply[:15]
+    # A watched call starts before the rest comes: from now on answers are looked into.
+    _, watched = request(encoder, 5, WATCHED, b"forward")
+    await ends.client.send(watched)
+    await receive_exactly(ends.upstream, len(watched))
+    await ends.upstream.send(reply[15:] + answer(5, b"url-a"))
+    expected = reply[15:] + answer(5, b"URL-B")
+    assert await receive_exactly(ends.client, len(expected)) == expected
+
+
+async def test_a_window_update_passed_on_in_part_is_not_changed_for_what_is_owed(
+    ends: Ends, intercept: list[Intercept]
+) -> None:
+    decided: asyncio.Future[Rewrite | None] = asyncio.get_running_loop().create_future()
+    longer = b"a URL longer than the runtime's"
+    decided.set_result(lambda message: longer)
+    intercept.append(lambda method, message: decided)
+    _, watched = request(hpack.Encoder(), 1, WATCHED, b"forward")
+    first = h2.encode_window_update(0, 1000)
+    await ends.client.send(watched + first[:5])
+    assert await receive_exactly(ends.upstream, len(h2.PREFACE + watched) + 5) == (
+        h2.PREFACE + watched + first[:5]
+    )
+    # The answer grows past what the runtime's flow control counted: the client is owed.
+    await ends.upstream.send(answer(1, b"u"))
+    grown = len(longer) - len(b"u")
+    await receive_exactly(ends.client, len(answer(1, b"u")) + grown)
+    assert ends.relay._owed == grown
+    # The update whose start went on is finished as it began; the next one repays.
+    await ends.client.send(first[5:] + h2.encode_window_update(0, 1000))
+    expected = first[5:] + h2.encode_window_update(0, 1000 - grown)
+    assert await receive_exactly(ends.upstream, len(expected)) == expected
+    assert ends.relay._owed == 0

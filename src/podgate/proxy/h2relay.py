@@ -38,6 +38,12 @@ MAX_HEADER_LIST_BYTES: Final = 1024 * 1024
 MAX_INSPECTED_MESSAGE_BYTES: Final = 1024 * 1024
 # Header blocks remembered with the :path they carry (see Relay._headers), at most.
 KNOWN_BLOCKS: Final = 256
+# The frames each direction looks into while nothing is owed and no answer is held: a
+# request's header blocks (its :path) and, for a call being watched, its DATA and RST_STREAM;
+# the runtime's SETTINGS (its header table size). Every other frame (pings, window updates,
+# the answers' headers and data) passes with a look at its 9-byte header alone.
+_REQUEST_KINDS: Final = h2.kinds(h2.HEADERS, h2.CONTINUATION, h2.DATA, h2.RST_STREAM)
+_ANSWER_KINDS: Final = h2.kinds(h2.SETTINGS)
 
 # Given the runtime's response message, the message to answer with (None: unchanged).
 Rewrite = Callable[[bytes], bytes | None]
@@ -86,6 +92,10 @@ class Relay:
         self._pending: set[asyncio.Future[Rewrite | None]] = set()
         self._from_client_frames = h2.FrameSplitter(preface=True)
         self._from_upstream_frames = h2.FrameSplitter()
+        # Bytes passed on of the frame each side's splitter holds, still arriving: the usual
+        # step writes a read as it came and splits it afterwards, off the call's path.
+        self._client_ahead = 0
+        self._upstream_ahead = 0
         # A direction's task is between receiving bytes and being ready for more: bytes that
         # arrive meanwhile wait for it, so that nothing overtakes what it is passing on.
         self._client_busy = True  # until `first` went on
@@ -142,22 +152,45 @@ class Relay:
             log.debug("relay: client side ended: %s", exc)
 
     def _client_bytes(self, data: bytes) -> None:
-        whole, frames = self._from_client_frames.split(data)
+        splitter = self._from_client_frames
         if not self._owed:
-            # Nothing to change: the bytes go on first and are read afterwards, off the
-            # call's path. Nothing else runs before this returns, so the runtime's answer
-            # cannot overtake what the request tells the relay.
-            if whole:
-                self.upstream.write(whole)
+            # Nothing to change: the bytes go on as they came, whole frames or not, and are
+            # read afterwards, off the call's path. Nothing else runs before this returns,
+            # so the runtime's answer cannot overtake what the request tells the relay.
+            self.upstream.write(data)
+            frames = splitter.split(data, _REQUEST_KINDS)[1]
+            self._client_ahead = splitter.pending
             for frame in frames:
                 self._from_client(frame)
-        else:
-            out = bytearray(whole[: len(whole) - sum(len(f.raw) for f in frames)])  # preface
-            for frame in frames:
-                out += self._from_client(frame)
-            self.upstream.write(out)
+            return
+        whole, frames = splitter.split(data)
+        if not whole:
+            return  # a frame still arriving
+        # The first frame's start may have gone on as it came (before bytes were owed).
+        ahead, self._client_ahead = self._client_ahead, 0
+        out = bytearray(whole[: len(whole) - sum(len(f.raw) for f in frames)])  # preface
+        for frame in frames:
+            self._from_client(frame)
+            if (
+                frame.type == h2.WINDOW_UPDATE
+                and frame.stream_id == 0
+                and self._owed
+                and not (ahead and not out)  # not one that went on in part as it came
+            ):
+                out += self._repaid(frame)
+            else:
+                out += frame.raw
+        self.upstream.write(memoryview(out)[ahead:])
 
-    def _from_client(self, frame: h2.Frame) -> bytes | memoryview:
+    def _repaid(self, frame: h2.Frame) -> bytes:
+        """A connection WINDOW_UPDATE less what the client was sent beyond the runtime's
+        flow control (an increment stays positive)."""
+        increment = h2.window_increment(frame)
+        taken = min(self._owed, increment - 1)
+        self._owed -= taken
+        return h2.encode_window_update(0, increment - taken)
+
+    def _from_client(self, frame: h2.Frame) -> None:
         kind = frame.type
         if kind == h2.HEADERS and frame.flags & h2.END_HEADERS:  # a whole block: the usual
             self._headers(frame.stream_id, bytes(h2.header_fragment(frame)))
@@ -172,14 +205,8 @@ class Relay:
             call = self.calls.get(frame.stream_id)
             if call is not None and not call.inspected:
                 self._request_data(frame.stream_id, call, frame)
-        elif kind == h2.WINDOW_UPDATE and frame.stream_id == 0 and self._owed:
-            increment = h2.window_increment(frame)
-            taken = min(self._owed, increment - 1)
-            self._owed -= taken
-            return h2.encode_window_update(0, increment - taken)
         elif kind == h2.RST_STREAM:
             self.calls.pop(frame.stream_id, None)
-        return frame.raw
 
     def _headers(self, stream_id: int, block: bytes) -> None:
         if block in self._known:
@@ -220,29 +247,30 @@ class Relay:
         if self._upstream_busy or self.calls or self.client.writing_paused:
             return False  # to the task: an answer may be held, or the client is slow
         try:
-            self._pass_on(*self._from_upstream_frames.split(data))
+            self._pass_on(data)
         except (StreamError, ProtocolError) as exc:
             self._end("runtime", exc)
         return True
 
-    def _pass_on(self, whole: memoryview, frames: list[h2.Frame]) -> None:
-        """No answer is looked into: the bytes go on as they came."""
-        if whole:
-            self.client.write(whole)
+    def _pass_on(self, data: bytes) -> None:
+        """No answer is looked into: the bytes go on as they came, whole frames or not, and
+        are split afterwards (for the runtime's settings)."""
+        self.client.write(data)
+        splitter = self._from_upstream_frames
+        frames = splitter.split(data, _ANSWER_KINDS)[1]
+        self._upstream_ahead = splitter.pending
         for frame in frames:
-            if frame.type == h2.SETTINGS:
-                self._settings(frame)
+            self._settings(frame)
 
     async def _upstream_to_client(self) -> None:
         try:
             while data := await self.upstream.receive(RECEIVE_BYTES):
                 self._upstream_busy = True
-                whole, frames = self._from_upstream_frames.split(data)
                 if not self.calls:
-                    self._pass_on(whole, frames)
+                    self._pass_on(data)
                     await self.client.drain()
                 else:
-                    await self._look_into(frames)
+                    await self._look_into(self._from_upstream_frames.split(data)[1])
                 self._upstream_busy = False
         except (StreamError, ProtocolError) as exc:
             log.debug("relay: runtime side ended: %s", exc)
@@ -251,6 +279,13 @@ class Relay:
         """Pass the frames on, holding the answers of intercepted calls."""
         out = bytearray()
         for frame in frames:
+            if self._upstream_ahead:
+                # Its start went on as it came, while no call was watched: the rest follows
+                # it (it answers no call watched now, which the runtime had not seen then).
+                out += frame.raw[self._upstream_ahead :]
+                self._upstream_ahead = 0
+                self._settings(frame)
+                continue
             call = self.calls.get(frame.stream_id)
             held = call is not None and call.decision is not None and not call.done
             if held and frame.type == h2.DATA:

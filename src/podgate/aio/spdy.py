@@ -19,6 +19,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import weakref
 from collections.abc import Callable, Mapping
 
 from podgate.aio import heap
@@ -73,6 +74,12 @@ MAX_QUEUED_BYTES_PER_STREAM = 2 * 1024 * 1024
 # the read loop waits for any reader, so many streams just under their own budget still cost
 # the sender's TCP window, not memory (8 streams at their full budget).
 MAX_QUEUED_BYTES_PER_SESSION = 8 * MAX_QUEUED_BYTES_PER_STREAM
+# Received bytes all sessions without flow control of the process (every kubectl facing the
+# gateway) may hold unread together. Over it, a session holding more than PROCESS_SHARE_BYTES
+# parks its read loop until the total drops; one holding less reads on, so sessions stalled on
+# one never-reading pod cannot stop everyone else's (each keeps at most its share).
+MAX_QUEUED_BYTES_PER_PROCESS = 16 * 1024 * 1024
+PROCESS_SHARE_BYTES = 256 * 1024
 # With flow control, window is handed back once the application has read this fraction
 # (1/N) of it: few WINDOW_UPDATE frames, yet a reader that keeps up never lets the sender stall.
 WINDOW_UPDATE_DIVISOR = 2
@@ -106,6 +113,40 @@ CONTROL_FRAMES_PER_SECOND = 500.0
 # allow more (the gateway's configured forwards per session).
 MAX_STREAMS_PER_SESSION = 512
 _CONTROL_EVENTS = (PingReceived, SettingsReceived, WindowUpdateReceived, StreamReset)
+
+
+class _ProcessQueue:
+    """The bytes queued unread in every session without flow control on one event loop, and
+    the sessions whose read loop waits for that total to drop."""
+
+    __slots__ = ("parked", "queued")
+
+    def __init__(self) -> None:
+        self.queued = 0
+        self.parked: set[SpdySession] = set()
+
+    def release(self, size: int) -> None:
+        self.queued -= size
+        if self.queued <= MAX_QUEUED_BYTES_PER_PROCESS:
+            for session in list(self.parked):
+                session._wake_if_room()
+
+
+_process_queues: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _ProcessQueue] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _process_queue(loop: asyncio.AbstractEventLoop) -> _ProcessQueue:
+    queue = _process_queues.get(loop)
+    if queue is None:
+        queue = _process_queues[loop] = _ProcessQueue()
+    return queue
+
+
+def process_queued_bytes() -> int:
+    """Bytes queued unread in all sessions without flow control on the running loop."""
+    return _process_queue(asyncio.get_running_loop()).queued
 
 
 class ControlBudget:
@@ -324,7 +365,7 @@ class SpdyStream(ByteStream):
         if data:
             self._chunks.append(data)
             self._queued += len(data)
-            self.session._queued += len(data)
+            self.session._charge(len(data))
             self.bytes_received += len(data)
             # Under flow control the core already bounds what the peer may send.
             if self._queued > MAX_QUEUED_BYTES_PER_STREAM and not self.session._update_threshold:
@@ -461,6 +502,10 @@ class SpdySession:
         self._last_read = self._loop.time()  # the last read on any stream
         self._over_since = self._last_read  # when _queued last went over the budget
         self._control_budget = control_budget or ControlBudget()
+        # Without flow control the queues count toward the process's budget (until teardown).
+        self._process: _ProcessQueue | None = (
+            None if self._update_threshold else _process_queue(self._loop)
+        )
         self._on_flood = on_flood
 
     # -- lifecycle
@@ -686,11 +731,32 @@ class SpdySession:
         # tight loop would otherwise never see the peer's RST_STREAM or GOAWAY.
         await asyncio.sleep(0)
 
+    def _charge(self, size: int) -> None:
+        """`size` bytes were queued."""
+        self._queued += size
+        if self._process is not None:
+            self._process.queued += size
+
     def _release(self, size: int) -> None:
         """`size` queued bytes were read or dropped."""
         self._queued -= size
         self._last_read = self._loop.time()
-        if self._queued <= MAX_QUEUED_BYTES_PER_SESSION:
+        if self._process is not None:
+            self._process.release(size)
+        self._wake_if_room()
+
+    def _over_budget(self) -> bool:
+        if self._queued > MAX_QUEUED_BYTES_PER_SESSION:
+            return True
+        process = self._process
+        return (
+            process is not None
+            and process.queued > MAX_QUEUED_BYTES_PER_PROCESS
+            and self._queued > PROCESS_SHARE_BYTES
+        )
+
+    def _wake_if_room(self) -> None:
+        if not self._over_budget():
             self._room.set()
 
     async def _wait_for_room(self) -> None:
@@ -698,7 +764,7 @@ class SpdySession:
         meets TCP backpressure). Readers that are merely slow free room; when none has read
         for STALLED_STREAM_RESET_SECONDS the stream holding the most is reset, as a stalled
         stream over its own budget is."""
-        while self._queued > MAX_QUEUED_BYTES_PER_SESSION:
+        while self._over_budget():
             if self._room.is_set():
                 self._over_since = self._loop.time()
                 self._room.clear()
@@ -718,8 +784,14 @@ class SpdySession:
                 fullest._stall(quiet)
                 self._over_since = self._loop.time()  # the next one only after another wait
                 continue
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._room.wait(), STALLED_STREAM_RESET_SECONDS - quiet)
+            if self._process is not None:
+                self._process.parked.add(self)
+            try:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._room.wait(), STALLED_STREAM_RESET_SECONDS - quiet)
+            finally:
+                if self._process is not None:
+                    self._process.parked.discard(self)
 
     def _touch(self) -> None:
         """Data moved or a stream opened: push the idle deadline out. Only that counts as
@@ -760,6 +832,10 @@ class SpdySession:
             stream._writable.set()
             stream._window_open.set()
         self._streams.clear()
+        if self._process is not None:
+            # What the streams still hold no longer counts: it is read or dropped with them.
+            process, self._process = self._process, None
+            process.release(self._queued)
         heap.release_soon()  # what this session buffered is free now: give it back
 
     async def _ping_loop(self) -> None:

@@ -59,7 +59,10 @@ def test_ping_flood_beside_kubectl_exec(tmp_path: Path) -> None:
     assert ping["quiet"]["failures"] == [] and ping["busy"]["failures"] == []
     flood = ping["flood"]
     assert ping["flood_outlasted_execs"], ping
-    assert flood["upgraded"] > 0 and flood["refused"] == 0, flood
+    assert flood["upgraded"] > 0, flood
+    # Once a session of the flooder's was ended, its reconnects are refused (429) for the
+    # cool-down: the flood costs refusals, not sessions.
+    assert flood["refused"] > 0, flood
     # The gateway ended every flooded session itself (GOAWAY, or the connection closed) but
     # the one each client was flooding when it was stopped.
     ended = flood["goaway"] + flood["closed"]

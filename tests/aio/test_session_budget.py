@@ -158,3 +158,62 @@ async def test_spdy_streams_together_stay_within_the_session_budget() -> None:
         await cancel_and_wait(*tasks)
         await client.aclose()
         await server.aclose()
+
+
+async def test_spdy_sessions_together_stay_within_the_process_budget() -> None:
+    """Sessions without flow control share one budget: several sessions, each under its own
+    budget, hold no more together than the process's (plus what the sessions under their
+    share still take), and a session holding little is not stopped by the others."""
+    sessions = 6
+    per_session = spdy.MAX_QUEUED_BYTES_PER_SESSION - spdy.MAX_QUEUED_BYTES_PER_STREAM
+    streams_each = per_session // PER_STREAM
+    pairs: list[tuple[SpdySession, SpdySession, list[SpdyStream]]] = []
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        for _ in range(sessions + 1):  # the last one is the light session
+            a, b = await socketpair_streams()
+            accepted: list[SpdyStream] = []
+
+            def on_stream(stream: SpdyStream, into: list[SpdyStream] = accepted) -> None:
+                stream.accept()
+                into.append(stream)
+
+            server = SpdySession(b, SpdyRole.SERVER, on_stream=on_stream, idle_timeout=None)
+            client = SpdySession(a, SpdyRole.CLIENT, idle_timeout=None)
+            tasks += [asyncio.create_task(s.run()) for s in (client, server)]
+            pairs.append((client, server, accepted))
+        heavy, light = pairs[:-1], pairs[-1]
+        sent: list[list[bytes]] = []
+        for client, _, _ in heavy:
+            data = [bytes([i]) * PER_STREAM for i in range(streams_each)]
+            streams = [await client.open_stream({"n": str(i)}) for i in range(streams_each)]
+            tasks += [asyncio.create_task(s.send(d)) for s, d in zip(streams, data, strict=True)]
+            sent.append(data)
+        await asyncio.sleep(SETTLE_SECONDS)
+        held = sum(server.queued_bytes for _, server, _ in heavy)
+        assert held == spdy.process_queued_bytes()
+        # Each session reads on up to its share, and one DATA frame past its check.
+        slack = spdy.PROCESS_SHARE_BYTES + spdy.SEND_DATA_FRAME_BYTES
+        bound = spdy.MAX_QUEUED_BYTES_PER_PROCESS + sessions * slack
+        assert held <= bound, (held >> 20, bound >> 20)
+        # Over the process's budget, a session holding less than its share still reads.
+        client, _, accepted = light
+        light_stream = await client.open_stream({"n": "light"})
+        payload = bytes(range(256)) * 256  # 64 KiB
+        async with asyncio.timeout(PROMPT_SECONDS):
+            await light_stream.send(payload)
+            assert await receive_exactly(accepted[0], len(payload)) == payload
+        # Everything held back arrives once read.
+        async with asyncio.timeout(PROMPT_SECONDS):
+            for (_, _, received), data in zip(heavy, sent, strict=True):
+                got = await asyncio.gather(
+                    *(receive_exactly(s, len(d)) for s, d in zip(received, data, strict=True))
+                )
+                assert got == data
+        print(f"{sessions} sessions held {held >> 20} MiB of {sessions * per_session >> 20} MiB")
+    finally:
+        await cancel_and_wait(*tasks)
+        for client, server, _ in pairs:
+            await client.aclose()
+            await server.aclose()
+    assert spdy.process_queued_bytes() == 0

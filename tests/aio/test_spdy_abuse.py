@@ -20,6 +20,7 @@ from podgate.aio.spdy import (
     MAX_QUEUED_BYTES_PER_STREAM,
     MAX_STREAMS_PER_SESSION,
     PARSE_SLICE_BYTES,
+    ControlBudget,
     SpdySession,
     SpdyStream,
 )
@@ -211,3 +212,61 @@ async def test_a_reader_that_never_reads_cannot_pin_the_session_after_the_peer_l
         await client.aclose()
     assert server.stream_count == 0
     assert accepted and accepted[0]._chunks == collections.deque()
+
+
+async def test_sessions_sharing_a_budget_share_its_burst() -> None:
+    """A gateway gives all sessions of one user one budget: the user's next session gets no
+    fresh burst. The first session floods (and is told so through on_flood); the second is
+    refused after a few frames beyond what the first left, not after a burst of its own."""
+    budget = ControlBudget()
+    floods: list[str] = []
+    parsed: list[int] = []
+
+    async def flooded_session(name: str) -> list[Event]:
+        a, b = socket.socketpair()
+        server_wire = await SocketStream.from_socket(a)
+        peer = Peer(await SocketStream.from_socket(b))
+        server = SpdySession(
+            server_wire,
+            Role.SERVER,
+            idle_timeout=None,
+            name=name,
+            control_budget=budget,
+            on_flood=lambda: floods.append(name),
+        )
+        count = 0
+        receive_data = server._core.receive_data
+
+        def counting(data: bytes) -> list[Event]:
+            nonlocal count
+            events = receive_data(data)
+            count += sum(isinstance(e, PingReceived) for e in events)
+            return events
+
+        server._core.receive_data = counting  # type: ignore[method-assign]
+
+        async def serve() -> None:
+            try:
+                await server.run()
+            finally:
+                await server.aclose()  # as the streaming servers do when the session ends
+
+        running = asyncio.create_task(serve())
+        await peer.wire.send(b"".join(encode_ping(2 * i + 1) for i in range(FLOOD_PINGS)))
+        await peer.read_all()
+        await running
+        await peer.wire.aclose()
+        parsed.append(count)
+        return peer.events
+
+    first = await flooded_session("first")
+    second = await flooded_session("second")
+    for events in (first, second):
+        assert [e.status for e in events if isinstance(e, GoAwayReceived)] == [
+            GoAwayStatus.PROTOCOL_ERROR
+        ]
+    assert floods == ["first", "second"]
+    one_slice = PARSE_SLICE_BYTES // PING_FRAME_BYTES + 1
+    assert parsed[0] > CONTROL_FRAME_BURST
+    # The second session starts with the first's debt (less what the short gap refilled).
+    assert parsed[1] <= 2 * one_slice, parsed

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import errno
 from collections.abc import Iterator
+from typing import TypeVar
+
+E = TypeVar("E", bound=BaseException)
 
 
 class StreamError(Exception):
@@ -47,6 +51,17 @@ class ConnectError(StreamError):
     def __init__(self, message: str, err: int | None = None) -> None:
         super().__init__(message)
         self.errno = err
+
+
+def fresh(error: E) -> E:
+    """A copy of a stored error, to raise in its place (`raise fresh(self._reset)`).
+
+    Raising the stored instance hangs the traceback on it, and with it every frame it passed
+    through and their locals (the stream itself, the chunk a splice was copying): a reference
+    cycle from the object that stores the error, freed only when the cycle collector runs,
+    which an idle daemon may not do for a long time after a burst of reset streams. The copy
+    has the same type, message and attributes, and no traceback."""
+    return copy.copy(error)
 
 
 class ConflictGuard:

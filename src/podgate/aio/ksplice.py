@@ -140,7 +140,8 @@ async def splice_sockets(
                 if exc is not None:
                     if not isinstance(exc, BrokenStreamError):
                         raise exc
-                    result.error = result.error or exc
+                    # Without its traceback: its frames hold `result` (see splice).
+                    result.error = result.error or exc.with_traceback(None)
             if result.error is not None:
                 break
     finally:

@@ -19,6 +19,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import weakref
 from collections.abc import Callable, Mapping
 
 from podgate.aio import heap
@@ -29,6 +30,7 @@ from podgate.aio.errors import (
     StalledStreamError,
     StreamError,
     StreamResetError,
+    fresh,
 )
 from podgate.aio.streams import (
     DEFAULT_RECEIVE_BYTES,
@@ -72,6 +74,12 @@ MAX_QUEUED_BYTES_PER_STREAM = 2 * 1024 * 1024
 # the read loop waits for any reader, so many streams just under their own budget still cost
 # the sender's TCP window, not memory (8 streams at their full budget).
 MAX_QUEUED_BYTES_PER_SESSION = 8 * MAX_QUEUED_BYTES_PER_STREAM
+# Received bytes all sessions without flow control of the process (every kubectl facing the
+# gateway) may hold unread together. Over it, a session holding more than PROCESS_SHARE_BYTES
+# parks its read loop until the total drops; one holding less reads on, so sessions stalled on
+# one never-reading pod cannot stop everyone else's (each keeps at most its share).
+MAX_QUEUED_BYTES_PER_PROCESS = 16 * 1024 * 1024
+PROCESS_SHARE_BYTES = 256 * 1024
 # With flow control, window is handed back once the application has read this fraction
 # (1/N) of it: few WINDOW_UPDATE frames, yet a reader that keeps up never lets the sender stall.
 WINDOW_UPDATE_DIVISOR = 2
@@ -105,6 +113,64 @@ CONTROL_FRAMES_PER_SECOND = 500.0
 # allow more (the gateway's configured forwards per session).
 MAX_STREAMS_PER_SESSION = 512
 _CONTROL_EVENTS = (PingReceived, SettingsReceived, WindowUpdateReceived, StreamReset)
+
+
+class _ProcessQueue:
+    """The bytes queued unread in every session without flow control on one event loop, and
+    the sessions whose read loop waits for that total to drop."""
+
+    __slots__ = ("parked", "queued")
+
+    def __init__(self) -> None:
+        self.queued = 0
+        self.parked: set[SpdySession] = set()
+
+    def release(self, size: int) -> None:
+        self.queued -= size
+        if self.queued <= MAX_QUEUED_BYTES_PER_PROCESS:
+            for session in list(self.parked):
+                session._wake_if_room()
+
+
+_process_queues: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _ProcessQueue] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _process_queue(loop: asyncio.AbstractEventLoop) -> _ProcessQueue:
+    queue = _process_queues.get(loop)
+    if queue is None:
+        queue = _process_queues[loop] = _ProcessQueue()
+    return queue
+
+
+def process_queued_bytes() -> int:
+    """Bytes queued unread in all sessions without flow control on the running loop."""
+    return _process_queue(asyncio.get_running_loop()).queued
+
+
+class ControlBudget:
+    """A token bucket of control frames (CONTROL_FRAME_BURST, refilled at
+    CONTROL_FRAMES_PER_SECOND). Each session has its own unless it is given one: a gateway
+    shares one among all sessions of a user, so a flooder who reconnects gets no fresh burst."""
+
+    __slots__ = ("_stamp", "_tokens", "burst", "rate")
+
+    def __init__(
+        self, burst: float = CONTROL_FRAME_BURST, rate: float = CONTROL_FRAMES_PER_SECOND
+    ) -> None:
+        self.burst = float(burst)
+        self.rate = rate
+        self._tokens = self.burst
+        self._stamp: float | None = None
+
+    def charge(self, count: int, now: float) -> bool:
+        """Take `count` frames at loop time `now`; False once the bucket is overdrawn."""
+        if self._stamp is not None:
+            self._tokens = min(self.burst, self._tokens + (now - self._stamp) * self.rate)
+        self._stamp = now
+        self._tokens -= count
+        return self._tokens >= 0
 
 
 class SpdyStream(ByteStream):
@@ -163,11 +229,11 @@ class SpdyStream(ByteStream):
             if self._closed:
                 raise ClosedStreamError("stream is closed")
             if self._reset is not None:
-                raise self._reset
+                raise fresh(self._reset)
             if self._fin_received:
                 return b""
             if self._lost is not None:
-                raise self._lost
+                raise fresh(self._lost)
             self._readable.clear()
             await self._readable.wait()
         return self._take(max_bytes)
@@ -219,7 +285,7 @@ class SpdyStream(ByteStream):
             return
         session = self.session
         if session.broken is not None:
-            raise session.broken
+            raise fresh(session.broken)
         if session._update_threshold:
             await self._send_windowed(memoryview(data).cast("B"))
             return
@@ -242,7 +308,7 @@ class SpdyStream(ByteStream):
         if self._closed:
             raise ClosedStreamError("write on closed stream")
         if self._reset is not None:
-            raise self._reset
+            raise fresh(self._reset)
         if self._fin_sent:
             raise ClosedStreamError("write after EOF")
 
@@ -254,7 +320,7 @@ class SpdyStream(ByteStream):
             # Checked again on every turn: the stream or the connection may end while we wait.
             self._check_writable()
             if session.broken is not None:
-                raise session.broken
+                raise fresh(session.broken)
             try:
                 window = core.send_window(self.stream_id)
             except ProtocolError as exc:
@@ -299,7 +365,7 @@ class SpdyStream(ByteStream):
         if data:
             self._chunks.append(data)
             self._queued += len(data)
-            self.session._queued += len(data)
+            self.session._charge(len(data))
             self.bytes_received += len(data)
             # Under flow control the core already bounds what the peer may send.
             if self._queued > MAX_QUEUED_BYTES_PER_STREAM and not self.session._update_threshold:
@@ -394,11 +460,15 @@ class SpdySession:
         stalled_reset_seconds: float = STALLED_STREAM_RESET_SECONDS,
         name: str = "spdy",
         max_streams: int = MAX_STREAMS_PER_SESSION,
+        control_budget: ControlBudget | None = None,
+        on_flood: Callable[[], None] | None = None,
     ) -> None:
         """`flow_control_window`: per-stream flow control with this window each way, for a
         peer known to do the same (see the module docstring); None for every Kubernetes peer.
         `stalled_reset_seconds`: see STALLED_STREAM_RESET_SECONDS.
-        `max_streams`: streams open at once before the peer's next one is refused."""
+        `max_streams`: streams open at once before the peer's next one is refused.
+        `control_budget`: the peer's control frames are charged here (default: a bucket of
+        this session's own). `on_flood`: called when the session is ended for a flood."""
         if max_streams < 1:
             raise ValueError("max_streams must be positive")
         self.stalled_reset_seconds = stalled_reset_seconds
@@ -431,8 +501,12 @@ class SpdySession:
         self._room.set()
         self._last_read = self._loop.time()  # the last read on any stream
         self._over_since = self._last_read  # when _queued last went over the budget
-        self._control_tokens = float(CONTROL_FRAME_BURST)
-        self._control_stamp = self._loop.time()
+        self._control_budget = control_budget or ControlBudget()
+        # Without flow control the queues count toward the process's budget (until teardown).
+        self._process: _ProcessQueue | None = (
+            None if self._update_threshold else _process_queue(self._loop)
+        )
+        self._on_flood = on_flood
 
     # -- lifecycle
     async def run(self) -> None:
@@ -505,20 +579,13 @@ class SpdySession:
 
     def _within_control_budget(self, count: int) -> bool:
         """Charge `count` control frames to the session's token bucket."""
-        if not count:
-            return True
-        now = self._loop.time()
-        self._control_tokens = min(
-            float(CONTROL_FRAME_BURST),
-            self._control_tokens + (now - self._control_stamp) * CONTROL_FRAMES_PER_SECOND,
-        )
-        self._control_stamp = now
-        self._control_tokens -= count
-        return self._control_tokens >= 0
+        return not count or self._control_budget.charge(count, self._loop.time())
 
     def _refuse_flood(self) -> None:
         """GOAWAY(PROTOCOL_ERROR) without the echoes this read queued, then the session ends."""
         log.warning("%s: control frame flood from peer, closing with GOAWAY", self.name)
+        if self._on_flood is not None:
+            self._on_flood()
         self._core.buffers_to_send()  # drop the PING echoes of the flood
         self._reset_all()
         with contextlib.suppress(ProtocolError, StreamError):
@@ -544,7 +611,7 @@ class SpdySession:
     ) -> SpdyStream:
         """SYN_STREAM, then wait for SYN_REPLY; a RST instead raises StreamResetError."""
         if self.broken is not None:
-            raise self.broken
+            raise fresh(self.broken)
         stream_id = self._core.open_stream(headers)
         stream = SpdyStream(self, stream_id, headers)
         self._streams[stream_id] = stream
@@ -563,7 +630,7 @@ class SpdySession:
     async def ping(self, timeout: float = 10.0) -> float:
         """Round-trip time of one PING in seconds."""
         if self.broken is not None:
-            raise self.broken
+            raise fresh(self.broken)
         ping_id = self._core.ping()
         waiter: asyncio.Future[None] = self._loop.create_future()
         self._ping_waiters[ping_id] = waiter
@@ -571,7 +638,7 @@ class SpdySession:
         self._flush()
         if self.broken is not None:  # the write failed: no answer can come
             self._ping_waiters.pop(ping_id, None)
-            raise self.broken
+            raise fresh(self.broken)
         try:
             await asyncio.wait_for(waiter, timeout)
         finally:
@@ -654,21 +721,42 @@ class SpdySession:
 
     async def _drain(self) -> None:
         if self.broken is not None:
-            raise self.broken
+            raise fresh(self.broken)
         try:
             await self._wire.drain()
         except StreamError as exc:
             self.broken = BrokenStreamError(f"connection lost: {exc}")
-            raise self.broken from exc
+            raise fresh(self.broken) from exc
         # Let the read loop run even when the socket takes everything at once: a writer in a
         # tight loop would otherwise never see the peer's RST_STREAM or GOAWAY.
         await asyncio.sleep(0)
+
+    def _charge(self, size: int) -> None:
+        """`size` bytes were queued."""
+        self._queued += size
+        if self._process is not None:
+            self._process.queued += size
 
     def _release(self, size: int) -> None:
         """`size` queued bytes were read or dropped."""
         self._queued -= size
         self._last_read = self._loop.time()
-        if self._queued <= MAX_QUEUED_BYTES_PER_SESSION:
+        if self._process is not None:
+            self._process.release(size)
+        self._wake_if_room()
+
+    def _over_budget(self) -> bool:
+        if self._queued > MAX_QUEUED_BYTES_PER_SESSION:
+            return True
+        process = self._process
+        return (
+            process is not None
+            and process.queued > MAX_QUEUED_BYTES_PER_PROCESS
+            and self._queued > PROCESS_SHARE_BYTES
+        )
+
+    def _wake_if_room(self) -> None:
+        if not self._over_budget():
             self._room.set()
 
     async def _wait_for_room(self) -> None:
@@ -676,7 +764,7 @@ class SpdySession:
         meets TCP backpressure). Readers that are merely slow free room; when none has read
         for STALLED_STREAM_RESET_SECONDS the stream holding the most is reset, as a stalled
         stream over its own budget is."""
-        while self._queued > MAX_QUEUED_BYTES_PER_SESSION:
+        while self._over_budget():
             if self._room.is_set():
                 self._over_since = self._loop.time()
                 self._room.clear()
@@ -696,8 +784,14 @@ class SpdySession:
                 fullest._stall(quiet)
                 self._over_since = self._loop.time()  # the next one only after another wait
                 continue
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._room.wait(), STALLED_STREAM_RESET_SECONDS - quiet)
+            if self._process is not None:
+                self._process.parked.add(self)
+            try:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._room.wait(), STALLED_STREAM_RESET_SECONDS - quiet)
+            finally:
+                if self._process is not None:
+                    self._process.parked.discard(self)
 
     def _touch(self) -> None:
         """Data moved or a stream opened: push the idle deadline out. Only that counts as
@@ -724,7 +818,7 @@ class SpdySession:
             self.broken = BrokenStreamError(f"connection closed{f': {reason}' if reason else ''}")
         for waiter in [*self._reply_waiters.values(), *self._ping_waiters.values()]:
             if not waiter.done():
-                waiter.set_exception(self.broken)
+                waiter.set_exception(fresh(self.broken))
         for stream in list(self._streams.values()):
             # Data already received stays readable. Then, after the peer's GOAWAY, EOF (as
             # spdystream); after a connection lost without one, a stream the peer had not
@@ -738,6 +832,10 @@ class SpdySession:
             stream._writable.set()
             stream._window_open.set()
         self._streams.clear()
+        if self._process is not None:
+            # What the streams still hold no longer counts: it is read or dropped with them.
+            process, self._process = self._process, None
+            process.release(self._queued)
         heap.release_soon()  # what this session buffered is free now: give it back
 
     async def _ping_loop(self) -> None:

@@ -62,7 +62,9 @@ async def splice(
                 if exc is not None:
                     if not isinstance(exc, StreamError):
                         raise exc
-                    result.error = result.error or exc
+                    # Kept without its traceback: that holds this call's pump frames,
+                    # which hold `result` (a cycle keeping their last chunk alive).
+                    result.error = result.error or exc.with_traceback(None)
             if result.error is not None:
                 break
     finally:

@@ -10,6 +10,7 @@ finish for a grace period, then cancels the rest and waits for them. Cancelling 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -84,5 +85,12 @@ async def cancel_and_wait(*tasks: asyncio.Future[Any]) -> None:
         return
     await asyncio.wait(tasks)
     for task in tasks:
-        if not task.cancelled():
-            task.exception()  # retrieved: ended by its own failure after all
+        # Retrieved either way. A cancelled task keeps its CancelledError until then, and that
+        # error's traceback holds the task's frames: whatever owns the task and is referenced
+        # from them (a stream holding its reader task) would be freed only by the cycle
+        # collector. Retrieving it drops it.
+        if task.cancelled():
+            with contextlib.suppress(asyncio.CancelledError):
+                task.result()
+        else:
+            task.exception()  # ended by its own failure after all

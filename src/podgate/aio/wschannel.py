@@ -15,6 +15,7 @@ from podgate.aio.errors import (
     ConflictGuard,
     StalledStreamError,
     StreamError,
+    fresh,
 )
 from podgate.aio.spdy import STALLED_STREAM_RESET_SECONDS
 from podgate.aio.streams import (
@@ -82,7 +83,7 @@ class ChannelStream(ByteStream):
                     raise ClosedStreamError("channel is closed")
                 if self._eof:
                     if self._lost is not None:
-                        raise self._lost
+                        raise fresh(self._lost)
                     return b""
                 self._readable.clear()
                 await self._readable.wait()
@@ -333,7 +334,7 @@ class ChannelSession:
 
     def send_nowait(self, channel: int, data: Buffer) -> None:
         if self.broken is not None:
-            raise self.broken
+            raise fresh(self.broken)
         self._touch()
         try:
             self._core.send(channel, data)
@@ -354,7 +355,7 @@ class ChannelSession:
 
     async def drain(self) -> None:
         if self.broken is not None:
-            raise self.broken
+            raise fresh(self.broken)
         await self._wire.drain()
 
     def _flush(self) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from podgate.aio.spdy import MAX_STREAMS_PER_SESSION
+from podgate.aio.spdy import MAX_STREAMS_PER_SESSION, ControlBudget
 from podgate.aio.streams import SocketStream
 from podgate.node.audit import DEFAULT_AUDIT_KEEP, DEFAULT_AUDIT_MAX_BYTES, AuditLog
 from podgate.node.auth import Authenticator, TokenFile, UserInfo
@@ -48,6 +48,10 @@ DEFAULT_IDLE_TIMEOUT_SECONDS = 4 * 3600.0
 # what a SPDY session allows by default. Upstream, the gateway opens as many sessions to the
 # runtime as these need.
 DEFAULT_MAX_FORWARDS_PER_SESSION = MAX_STREAMS_PER_SESSION // 2 - PAIRS_IN_FLIGHT
+# After one of a user's sessions was ended for a control-frame flood, that user's upgrades are
+# refused (429) for this long: a flooder who reconnects costs a refusal, not a session with a
+# fresh burst of frames to parse. All of a user's sessions share one control-frame budget.
+DEFAULT_FLOOD_COOLDOWN_SECONDS = 30.0
 
 
 @dataclass(slots=True)
@@ -57,6 +61,7 @@ class Limits:
     max_bytes_per_sec: float | None = None  # per stream, each way; None = unlimited
     max_streams_per_user_per_pod: int = DEFAULT_MAX_STREAMS_PER_USER_PER_POD
     max_forwards_per_session: int = DEFAULT_MAX_FORWARDS_PER_SESSION
+    flood_cooldown_seconds: float = DEFAULT_FLOOD_COOLDOWN_SECONDS
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +125,10 @@ class Gate:
         self._per_user: collections.Counter[str] = collections.Counter()
         self._per_pod: collections.Counter[str] = collections.Counter()
         self._per_user_pod: collections.Counter[tuple[str, str]] = collections.Counter()
+        # Per user with a session open: the control-frame budget all its sessions share.
+        self._control_budgets: dict[str, ControlBudget] = {}
+        # Users whose session was ended for a flood, and until when they are refused.
+        self._flooded_until: dict[str, float] = {}
 
     # -- Guard
     def identify(self, conn: SocketStream, request: UpgradeRequest) -> object | None:
@@ -188,7 +197,12 @@ class Gate:
         assert isinstance(who, Caller)
         pod_key = f"{pod.namespace}/{pod.name}"
         limits = self.limits
-        if (
+        if self._cooling_down(who.user.name):
+            reason = (
+                f"user {who.user.name!r} flooded a session with control frames: streams refused"
+                f" for {limits.flood_cooldown_seconds:g} s"
+            )
+        elif (
             limits.max_streams_per_user
             and self._per_user[who.user.name] >= limits.max_streams_per_user
         ):
@@ -216,6 +230,31 @@ class Gate:
         )
         return reason
 
+    def _cooling_down(self, user: str) -> bool:
+        until = self._flooded_until.get(user)
+        if until is None:
+            return False
+        if time.monotonic() < until:
+            return True
+        del self._flooded_until[user]
+        return False
+
+    def flooded(self, user: str) -> None:
+        """One of `user`'s sessions was ended for a control-frame flood."""
+        log.warning(
+            "user %r flooded a session with control frames: refused for %g s",
+            user,
+            self.limits.flood_cooldown_seconds,
+        )
+        self._flooded_until[user] = time.monotonic() + self.limits.flood_cooldown_seconds
+
+    def control_budget(self, user: str) -> ControlBudget:
+        """The budget shared by `user`'s sessions (dropped with its last stream)."""
+        budget = self._control_budgets.get(user)
+        if budget is None:
+            budget = self._control_budgets[user] = ControlBudget()
+        return budget
+
     @contextmanager
     def _counted(self, user: str, pod: str) -> Iterator[None]:
         self._per_user[user] += 1
@@ -225,6 +264,9 @@ class Gate:
             yield
         finally:
             self._per_user[user] -= 1
+            if not self._per_user[user]:
+                del self._per_user[user]
+                self._control_budgets.pop(user, None)
             self._per_pod[pod] -= 1
             self._per_user_pod[user, pod] -= 1
             if not self._per_user_pod[user, pod]:
@@ -254,6 +296,7 @@ class GateStream(SessionHooks):
         self.max_forwards = gate.limits.max_forwards_per_session
         self._count = gate._counted(who.user.name, f"{pod.namespace}/{pod.name}")
         self._count.__enter__()
+        self.control_budget = gate.control_budget(who.user.name)
         gate.metrics.active.labels(verb).inc()
         gate.metrics.streams.labels(verb).inc()
         command = [v for k, v in request.query_params() if k == "command"]
@@ -282,6 +325,9 @@ class GateStream(SessionHooks):
     @property
     def hooks(self) -> SessionHooks:
         return self
+
+    def flooded(self) -> None:
+        self.gate.flooded(self.who.user.name)
 
     # -- port-forward hooks
     def check_port(self, port: int, protocol: str = "tcp") -> str | None:

@@ -9,6 +9,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from podgate.aio.spdy import ControlBudget
 from podgate.aio.streams import DEFAULT_RECEIVE_BYTES, Buffer, ByteStream
 
 
@@ -40,9 +41,15 @@ class SessionHooks:
     #: forwarded connections one port-forward session may carry at once; None = the SPDY
     #: session's default stream cap
     max_forwards: int | None = None
+    #: the control-frame budget the session charges (shared among sessions of one user); None
+    #: = one of the session's own
+    control_budget: ControlBudget | None = None
 
     def negotiated(self, transport: str, protocol: str) -> None:
         """The upgrade was accepted with this transport and subprotocol."""
+
+    def flooded(self) -> None:
+        """The session was ended because the client flooded it with control frames."""
 
     def check_port(self, port: int, protocol: str = "tcp") -> str | None:
         """None to allow a forward to `port` over `protocol` (tcp, udp), else the reason it is

@@ -150,6 +150,8 @@ async def serve_stream(
             flow_control_window=window,
             name=label,
             max_streams=_stream_cap(what),
+            control_budget=what.hooks.control_budget,
+            on_flood=what.hooks.flooded,
         )
         if what.kind is StreamKind.PORTFORWARD:
             server = SpdyPortForwardServer(

@@ -13,7 +13,14 @@ import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["DEFAULT_FILE_MODE", "atomic_write", "fsync_directory", "rename_durably", "rotate"]
+__all__ = [
+    "DEFAULT_FILE_MODE",
+    "atomic_write",
+    "atomic_write_sole",
+    "fsync_directory",
+    "rename_durably",
+    "rotate",
+]
 
 DEFAULT_FILE_MODE = 0o600  # owner only: most of what podgate writes is state or a secret
 
@@ -56,6 +63,25 @@ def atomic_write(
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
     fsync_directory(directory)
+
+
+def atomic_write_sole(path: str, data: bytes, *, mode: int = DEFAULT_FILE_MODE) -> None:
+    """atomic_write for a file that only one process ever writes, with os calls alone: the
+    temporary name is fixed (`path` + ".tmp") and no tempfile or pathlib code runs, which a
+    process forked from a warm interpreter (a container shim) would otherwise copy the pages
+    of."""
+    tmp = f"{path}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+    try:
+        os.fchmod(fd, mode)  # an older temporary file keeps its mode through O_CREAT
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    fsync_directory(os.path.dirname(path) or ".")
 
 
 def rename_durably(

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, BinaryIO, Final
 
 from podgate.aio.errors import map_os_errors
+from podgate.files import atomic_write_sole
 from podgate.linux import ns
 from podgate.linux.proc import (
     Spawn,
@@ -968,26 +969,9 @@ def _trim_heap() -> None:
 
 
 def _publish_json(path: str, obj: dict[str, Any]) -> None:
-    """Replace `path` with `obj` as JSON, atomically and durably, as atomic_write_json does
-    but without tempfile and pathlib, whose code a forked shim would run and so copy the
-    pages of. Only this shim writes its ready and exit files: a fixed temporary name will do."""
-    data = json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
-    tmp = f"{path}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    directory = os.open(os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
+    """Replace `path` with `obj` as JSON, atomically and durably (only this shim writes its
+    ready and exit files)."""
+    atomic_write_sole(path, json.dumps(obj, separators=(",", ":"), sort_keys=True).encode())
 
 
 def _reap(pid: int) -> int:

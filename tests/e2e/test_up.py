@@ -394,3 +394,12 @@ def test_missing_pod_and_port_errors_keep_their_words(up: dict[str, str]) -> Non
     # pod's uid, then why.
     pattern = rf"error forwarding port 9999 to pod [0-9a-f]{{64}}, uid {sandbox.stdout}: .*refused"
     assert re.search(pattern, output), output
+
+
+def test_a_refused_attach_keeps_the_runtimes_words(up: dict[str, str]) -> None:
+    """The in-process target checks a stream as CRI Attach would: shell's container has a tty,
+    so an attach without one is refused in the runtime's words."""
+    out = run_kubectl(up, "attach", "shell", "-i=false", timeout=30)
+    assert out.returncode != 0
+    refusal = "error: Internal error occurred: tty False does not match the container's tty True"
+    assert refusal in out.stderr, out.stderr

@@ -51,7 +51,8 @@ from typing import Any
 from rich.console import Console
 
 from bench import runtime as bench_runtime
-from bench.common import format_size
+from bench.common import BULK_REMOTE_PORT, format_size
+from bench.common import POD_NAME as DEMO_POD_NAME
 from bench.portforward import (
     CLIENT_STARTUP_SECONDS,
     GB,
@@ -76,7 +77,7 @@ from bench.procs import (
     cpu_seconds,
 )
 from bench.report import _fmt, _fmt_ratio, _median, markdown_tables, print_tables
-from bench.runtime import PEER, RUNTIME_PATHS, RuntimeBench
+from bench.runtime import PEER, PLAIN, RUNTIME_PATHS, RuntimeBench, RuntimePath
 
 # 10^6 bytes: the unit of the exec flood figures (as in docs/performance.md).
 MB = 1e6
@@ -106,6 +107,7 @@ PROBE_READ_SECONDS = 1.0
 # `timeout`'s exit status when it had to stop the command.
 TIMEOUT_EXIT_CODE = 124
 NODE_READY_LINE = r"^podgate node ready api=(\S+) runtime=(.*) kubeconfig=(\S+)$"
+UP_READY_LINE = r"^podgate ready api=(\S+) kubeconfig=(\S+) cri=unix://(\S+)$"
 KUBECTL_FORWARDING_LINE = r"^Forwarding from 127\.0\.0\.1:(\d+) -> (\d+)$"
 ECHO_LOOP = "while true; do echo a; done"
 # What the echo flood's stdout must consist of; odd-length slices start on either byte.
@@ -119,6 +121,9 @@ class GatewayPath:
     description: str
     websocket: bool = True  # kubectl's default protocol (for port-forward: the tunnel)
     demo: bool = False  # kubectl to the demo API server instead of the node gateway
+    up: bool = False  # kubectl to `podgate up` (gateway and runtime in one process)
+    tls_demo: bool = False  # kubectl to the one-hop API server (DemoApi) over TLS
+    peer: str = ""  # the path its "× peer" ratio is taken against, in the same round
 
 
 GATEWAY_PATHS: tuple[GatewayPath, ...] = (
@@ -133,6 +138,32 @@ GATEWAY_PATHS: tuple[GatewayPath, ...] = (
         websocket=False,
     ),
     GatewayPath(
+        "up-tunnel",
+        "kubectl 1.33 port-forward (tunnel) -> TLS -> podgate up (gateway handing the stream "
+        "to its runtime in-process) -> pod",
+        up=True,
+        peer="tls-tunnel",
+    ),
+    GatewayPath(
+        "up-spdy",
+        "the same with KUBECTL_PORT_FORWARD_WEBSOCKETS=false (SPDY)",
+        websocket=False,
+        up=True,
+        peer="tls-spdy",
+    ),
+    GatewayPath(
+        "tls-tunnel",
+        "kubectl 1.33 port-forward (tunnel) -> TLS -> podgate's one-hop API server (DemoApi, "
+        "client certificates) -> host target: the peer of up-tunnel",
+        tls_demo=True,
+    ),
+    GatewayPath(
+        "tls-spdy",
+        "the same with KUBECTL_PORT_FORWARD_WEBSOCKETS=false (SPDY): the peer of up-spdy",
+        websocket=False,
+        tls_demo=True,
+    ),
+    GatewayPath(
         "demo-tunnel",
         "kubectl 1.33 port-forward (tunnel) -> podgate demo API server (plain HTTP) -> host target",
         demo=True,
@@ -145,6 +176,7 @@ GATEWAY_PATHS: tuple[GatewayPath, ...] = (
     ),
 )
 GATEWAY_PATH_NAMES = tuple(p.name for p in GATEWAY_PATHS)
+_PEER_OF = {p.name: p.peer for p in GATEWAY_PATHS if p.peer}
 # The demo-* paths repeat the loopback part's kubectl-* paths, so they run only when asked for.
 DEFAULT_GATEWAY_PATHS = tuple(p.name for p in GATEWAY_PATHS if not p.demo)
 # The loopback benchmark's kubectl paths, which the demo-* paths reuse.
@@ -170,8 +202,10 @@ PF_HEADERS = (
     "dir",
     "GB/s (min–max)",
     "× in-netns (min–max)",
+    "× peer (min–max)",
     "gateway s/GB",
     "runtime s/GB",
+    "gw+rt s/GB",
     "kubectl s/GB",
     "client s/GB",
     "verified",
@@ -180,7 +214,9 @@ PF_NOTE = (
     "kubectl port-forward through podgate node (TLS) and podgate runtime into the pod. "
     "× in-netns = against a client inside the pod's netns in the same round (demo-*: their "
     "target is on the host's loopback). CPU seconds per GB moved: gateway = podgate node "
-    "(demo-*: the demo API server), runtime = the runtime daemon, kubectl = kubectl."
+    "(demo-*, tls-*: the one-hop API server; up-*: podgate up, gateway and runtime in one "
+    "process), runtime = the runtime daemon, kubectl = kubectl. × peer: up-* against tls-* "
+    "(kubectl -> TLS -> podgate's one-hop server) of the same round and protocol."
 )
 FLOOD_HEADERS = (
     "exec",
@@ -267,6 +303,12 @@ class GatewayBench:
         self.ports: dict[str, int] = {}  # path -> local port of its kubectl port-forward
         self.watch: dict[str, dict[str, int]] = {}  # path -> processes whose CPU its runs count
         self.demo: Peers | None = None
+        self.up: UpRuntime | None = None  # `podgate up` and its bench pod (up-* paths)
+        self.up_section: dict[str, Any] = {"meta": {}, "skipped": {}}
+        self.up_kubeconfig = ""
+        self.host_target: Child | None = None  # tls-* paths: the target on the host
+        self.tls_server: Child | None = None
+        self.tls_kubeconfig = ""
 
     # -- start
 
@@ -290,8 +332,35 @@ class GatewayBench:
         meta["kubectl"] = self._kubectl_version()
         target = rt.watch["target"]
         usable = []
+        if any(p.up for p in paths):
+            self._start_up()
+        if any(p.tls_demo for p in paths):
+            self._start_tls_server()
         for spec in paths:
             if spec.name == PEER:
+                usable.append(spec)
+            elif spec.up:
+                assert self.up is not None and self.up.daemon is not None
+                self.ports[spec.name] = self._start_port_forward(
+                    spec, self.up.bulk_port, self.up_kubeconfig
+                )
+                # One process: its CPU is the gateway's and the runtime's together.
+                self.watch[spec.name] = {
+                    "gateway": self.up.daemon.pid,
+                    "target": self.up.watch["target"],
+                    "kubectl": self._kubectl_pid(spec.name),
+                }
+                usable.append(spec)
+            elif spec.tls_demo:
+                assert self.tls_server is not None and self.host_target is not None
+                self.ports[spec.name] = self._start_port_forward(
+                    spec, BULK_REMOTE_PORT, self.tls_kubeconfig, DEMO_POD_NAME
+                )
+                self.watch[spec.name] = {
+                    "server": self.tls_server.pid,
+                    "target": self.host_target.pid,
+                    "kubectl": self._kubectl_pid(spec.name),
+                }
                 usable.append(spec)
             elif not spec.demo:
                 self.ports[spec.name] = self._start_port_forward(spec, rt.bulk_port)
@@ -307,10 +376,35 @@ class GatewayBench:
             usable += self._start_demo(demo)
         return usable
 
-    def _env(self, name: str, websocket_var: str, websocket: bool) -> dict[str, str]:
+    def _start_up(self) -> None:
+        """`podgate up` with no sample pods and the bench pod in its runtime."""
+        self.up = UpRuntime(self.procs, self.options, self.up_section)
+        self.up.start([p for p in RUNTIME_PATHS if p.name == PEER])
+        if PLAIN not in self.up.pods:
+            raise ChildError(f"no bench pod in podgate up: {self.up_section['skipped']}")
+        self.up_kubeconfig = self.up.kubeconfig
+        assert self.up.daemon is not None
+        self.section["meta"]["pids"]["up"] = self.up.daemon.pid
+
+    def _start_tls_server(self) -> None:
+        """The host target and podgate's one-hop API server over TLS in front of it."""
+        self.host_target = self.procs.start("host-target", [self.py, "-m", "bench.target"])
+        ports = self.host_target.wait_for_json()
+        argv = [self.py, "-m", "bench.server", "--bulk-port", str(ports["bulk_port"])]
+        argv += ["--echo-port", str(ports["echo_port"]), "--loop", self.options.loop]
+        argv += ["--tls-dir", str(self.procs.workdir / "tls-server")]
+        if self.options.profile_dir is not None:
+            argv += ["--profile", str(self.options.profile_dir / "tls-server.prof")]
+        self.tls_server = self.procs.start("tls-server", argv)
+        self.tls_kubeconfig = str(self.tls_server.wait_for_json()["kubeconfig"])
+        self.section["meta"]["pids"]["tls_server"] = self.tls_server.pid
+
+    def _env(
+        self, name: str, websocket_var: str, websocket: bool, kubeconfig: str = ""
+    ) -> dict[str, str]:
         home = self.procs.workdir / f"home-{name}"
         home.mkdir(exist_ok=True)
-        env = dict(os.environ, HOME=str(home), KUBECONFIG=self.kubeconfig)
+        env = dict(os.environ, HOME=str(home), KUBECONFIG=kubeconfig or self.kubeconfig)
         for var in ("KUBECTL_PORT_FORWARD_WEBSOCKETS", "KUBECTL_REMOTE_COMMAND_WEBSOCKETS"):
             env.pop(var, None)
         if not websocket:
@@ -325,13 +419,19 @@ class GatewayBench:
         except (ValueError, KeyError):
             return "?"
 
-    def _start_port_forward(self, spec: GatewayPath, remote: int) -> int:
-        env = self._env(spec.name, "KUBECTL_PORT_FORWARD_WEBSOCKETS", spec.websocket)
+    def _start_port_forward(
+        self,
+        spec: GatewayPath,
+        remote: int,
+        kubeconfig: str = "",
+        pod: str = bench_runtime.POD_NAME,
+    ) -> int:
+        env = self._env(spec.name, "KUBECTL_PORT_FORWARD_WEBSOCKETS", spec.websocket, kubeconfig)
         child = self.procs.start(
             f"kubectl-{spec.name}",
             [
                 *(self.kubectl, "port-forward", "--namespace", bench_runtime.POD_NAMESPACE),
-                *("--address", "127.0.0.1", f"pod/{bench_runtime.POD_NAME}", f":{remote}"),
+                *("--address", "127.0.0.1", f"pod/{pod}", f":{remote}"),
             ],
             env,
         )
@@ -452,7 +552,32 @@ class GatewayBench:
         return out
 
     def stop(self) -> None:
+        if self.up is not None:
+            self.up.stop()
         self.runtime.stop()
+
+
+class UpRuntime(RuntimeBench):
+    """`podgate up` in place of `podgate runtime`: the same bench pod, made through its CRI
+    socket, behind the gateway of the same process."""
+
+    kubeconfig = ""
+    logs_prefix = "up-"
+
+    def start(self, paths: Sequence[RuntimePath]) -> list[RuntimePath]:
+        state = self.procs.workdir / "u"  # short: sockets live under it
+        argv = [self.py, "-m", "podgate", "up", "--state-dir", str(state), "--port", "0"]
+        argv += ["--examples", "", "--no-nri"]
+        if self.options.profile_dir is not None:
+            self.options.profile_dir.mkdir(parents=True, exist_ok=True)
+            profile = self.options.profile_dir / "podgate-up.prof"
+            argv[1:2] = ["-m", "cProfile", "-o", str(profile), "-m"]
+        self.daemon = self.procs.start("up", argv)
+        ready = self.daemon.wait_for(UP_READY_LINE)[0]
+        self.kubeconfig = ready[2]
+        self.cri = bench_runtime.Cri(ready[3])
+        self.section["meta"]["pods"] = {}
+        return [p for p in paths if self._start_pod(p.handler)]
 
 
 def run_gateway(
@@ -529,6 +654,11 @@ def summarize_forward(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for r in rows
         if r["path"] == PEER and not r.get("error") and r.get("verified")
     }
+    rates = {
+        (r["path"], r["direction"], r["run"]): r["bytes"] / r["seconds"]
+        for r in rows
+        if not r.get("error") and r.get("verified")
+    }
     out = []
     for path, direction in dict.fromkeys((r["path"], r["direction"]) for r in rows):
         group = [r for r in rows if r["path"] == path and r["direction"] == direction]
@@ -537,6 +667,13 @@ def summarize_forward(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             r["bytes"] / r["seconds"] / peer[(direction, r["run"])]
             for r in ok
             if (direction, r["run"]) in peer
+        ]
+        # up-*: against its own peer path (tls-*) of the same round.
+        of = _PEER_OF.get(path, "")
+        peer_ratios = [
+            r["bytes"] / r["seconds"] / rates[(of, direction, r["run"])]
+            for r in ok
+            if (of, direction, r["run"]) in rates
         ]
 
         def per_gb(*names: str, ok: list[dict[str, Any]] = ok) -> dict[str, float] | None:
@@ -558,6 +695,16 @@ def summarize_forward(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "verified_bytes": [r["bytes"] for r in ok],
                 "gbps": _spread([r["bytes"] / r["seconds"] / GB for r in ok]),
                 "ratio": _spread(ratios),
+                "peer": of,
+                "peer_ratio": _spread(peer_ratios),
+                # The front process and the runtime together (podgate up: one process).
+                "gw_rt_cpu_s_per_gb": _spread(
+                    [
+                        sum(r["cpu"].get(n, 0.0) for n in ("gateway", "server", "runtime"))
+                        / (r["bytes"] / GB)
+                        for r in ok
+                    ]
+                ),
                 # demo-*: the demo API server stands where the gateway does
                 "gateway_cpu_s_per_gb": per_gb("gateway", "server"),
                 "runtime_cpu_s_per_gb": per_gb("runtime"),
@@ -636,8 +783,10 @@ def forward_rows(section: dict[str, Any]) -> list[list[str]]:
                 s["direction"],
                 _fmt(s["gbps"], 3),
                 "1" if s["path"] == PEER else _fmt_ratio(s["ratio"]),
+                _fmt_ratio(s["peer_ratio"]) if s.get("peer") else "–",
                 _median(s["gateway_cpu_s_per_gb"]),
                 _median(s["runtime_cpu_s_per_gb"]),
+                _median(s.get("gw_rt_cpu_s_per_gb")),
                 _median(s["kubectl_cpu_s_per_gb"]),
                 _median(s["client_cpu_s_per_gb"]),
                 verified,

@@ -317,6 +317,9 @@ class BenchPod:
 class RuntimeBench:
     """The daemon, the pods and the relays of one invocation, and the runs against them."""
 
+    # Where its pods' logs go, under the workdir: runtimes of one invocation keep apart.
+    logs_prefix = ""
+
     def __init__(self, procs: ProcessSet, options: Options, section: dict[str, Any]) -> None:
         self.procs = procs
         self.options = options
@@ -375,7 +378,7 @@ class RuntimeBench:
         """A pod of `handler` with the target in it; False (and why in "skipped") if it fails:
         the other backends are still measured."""
         assert self.cri is not None and self.daemon is not None
-        logs = self.procs.workdir / f"logs-{handler or 'plain'}"
+        logs = self.procs.workdir / f"{self.logs_prefix}logs-{handler or 'plain'}"
         try:
             pod_id, pod_config = self.cri.run_pod(str(logs), handler)
             self.pod_ids.append(pod_id)

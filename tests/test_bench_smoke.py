@@ -237,7 +237,18 @@ def test_bench_gateway_part_runs_kubectl_through_podgate_node(tmp_path: Path) ->
     assert section["meta"]["node_api"].startswith("https://127.0.0.1:")
 
     rows = section["throughput"]
-    paths = ["direct-in-netns", "gateway-tunnel", "gateway-spdy"]
+    paths = [
+        "direct-in-netns",
+        "gateway-tunnel",
+        "gateway-spdy",
+        "up-tunnel",
+        "up-spdy",
+        "tls-tunnel",
+        "tls-spdy",
+    ]
+    # Who carries the bytes besides kubectl and the target: podgate node and the runtime
+    # daemon; podgate up alone (gateway and runtime in one process); the one-hop TLS server.
+    watched = {"gateway": {"gateway", "runtime"}, "up": {"gateway"}, "tls": {"server"}}
     assert [(r["path"], r["direction"]) for r in rows] == [
         (p, d) for p in paths for d in ("upload", "download")
     ]
@@ -248,7 +259,15 @@ def test_bench_gateway_part_runs_kubectl_through_podgate_node(tmp_path: Path) ->
         rate = run["bytes"] / run["seconds"]
         assert MIN_PLAUSIBLE_BYTES_PER_SECOND < rate < MAX_PLAUSIBLE_BYTES_PER_SECOND
         if run["path"] != "direct-in-netns":
-            assert set(run["cpu"]) == {"gateway", "runtime", "kubectl", "target"}
+            front = watched[run["path"].split("-")[0]]
+            assert set(run["cpu"]) == front | {"kubectl", "target"}, run
+    summary = {(s["path"], s["direction"]): s for s in section["summary"]["throughput"]}
+    for path in ("up-tunnel", "up-spdy"):
+        for direction in ("upload", "download"):
+            row = summary[path, direction]
+            assert row["peer"] == path.replace("up-", "tls-")
+            assert row["peer_ratio"] is not None and row["peer_ratio"]["median"] > 0
+            assert row["gw_rt_cpu_s_per_gb"] is not None
 
     floods = {(r["flood"], r["protocol"]): r for r in section["floods"]}
     assert list(floods) == [
@@ -270,6 +289,7 @@ def test_bench_gateway_part_runs_kubectl_through_podgate_node(tmp_path: Path) ->
             assert run["bytes"] == SIZE  # dd bs=1M count=2M iflag=count_bytes
     markdown = (tmp_path / "results.md").read_text()
     assert "| gateway-spdy | download |" in markdown
+    assert "| up-spdy | download |" in markdown
     assert "| echo | WebSocket v5 |" in markdown
 
     probe = section["disconnect"]
@@ -278,7 +298,7 @@ def test_bench_gateway_part_runs_kubectl_through_podgate_node(tmp_path: Path) ->
     assert probe["bytes_before_kill"] > 0
 
     pids = section["meta"]["pids"]
-    assert set(pids) == {"runtime", "target", "holder", "gateway"}
+    assert set(pids) == {"runtime", "target", "holder", "gateway", "up", "tls_server"}
     for pid in pids.values():  # gone, or reused by something that is not ours
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()

@@ -357,6 +357,11 @@ class SocketStream(ByteStream):
         except TimeoutError:
             self.transport.abort()
             await asyncio.shield(self._protocol.closed)
+        except asyncio.CancelledError:
+            # A closer cancelled mid-flush must not leave the socket to a peer that never
+            # reads: its buffer would never drain, and the descriptor would stay for good.
+            self.transport.abort()
+            raise
 
     def abort(self) -> None:
         """Close at once, discarding unsent data (a reset for TCP peers)."""

@@ -21,10 +21,10 @@ from podgate.demo.samples import ensure_example, load_example
 from podgate.node.cri_client import CriClient, CriPodSource
 from podgate.node.gateway import DEFAULT_MAX_FORWARDS_PER_SESSION, GatewayConfig, Limits
 from podgate.node.server import running_gateway
-from podgate.node.upstream import CriTarget
 from podgate.runtime.api import NotFoundError
 from podgate.runtime.daemon import RuntimeConfig, running_runtime
 from podgate.runtime.store import state_socket
+from podgate.runtime.target import InProcessTarget
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,9 @@ async def _up(
     pod_ids: list[str] = []
     async with running_runtime(config) as running:
         client = CriClient(running.cri_socket)
-        target = CriTarget(client)
+        # The gateway lists pods and reads logs through CRI, as it would from any runtime,
+        # but hands each stream to the runtime here: no loopback SPDY session per stream.
+        target = InProcessTarget(running.runtime, running.target)
         source = CriPodSource(client, target, node=os.uname().nodename)
         node_dir = str(Path(state_dir) / "node")
         gateway_config = GatewayConfig(

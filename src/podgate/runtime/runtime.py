@@ -964,6 +964,23 @@ class Runtime:
         stdout: bool,
         stderr: bool,
     ) -> str:
+        return self._url(
+            self.exec_request(
+                container_id, command, tty=tty, stdin=stdin, stdout=stdout, stderr=stderr
+            )
+        )
+
+    def exec_request(
+        self,
+        container_id: str,
+        command: Sequence[str],
+        *,
+        tty: bool,
+        stdin: bool,
+        stdout: bool,
+        stderr: bool,
+    ) -> PendingStream:
+        """The checked exec that CRI Exec hands a URL for (and an in-process gateway runs)."""
         container = self.running_container(container_id)
         _check_stdio(tty, stdin, stdout, stderr)
         if not command:
@@ -972,11 +989,19 @@ class Runtime:
             tuple(command), container.metadata.name, stdin, stdout, stderr, tty
         )
         pod = self.pods[container.pod_id]
-        return self._url(PendingStream(StreamKind.EXEC, self.pod_ref(pod), container.id, options))
+        return PendingStream(StreamKind.EXEC, self.pod_ref(pod), container.id, options)
 
     def attach_url(
         self, container_id: str, *, tty: bool, stdin: bool, stdout: bool, stderr: bool
     ) -> str:
+        return self._url(
+            self.attach_request(container_id, tty=tty, stdin=stdin, stdout=stdout, stderr=stderr)
+        )
+
+    def attach_request(
+        self, container_id: str, *, tty: bool, stdin: bool, stdout: bool, stderr: bool
+    ) -> PendingStream:
+        """The checked attach that CRI Attach hands a URL for."""
         container = self.running_container(container_id)
         _check_stdio(tty, stdin, stdout, stderr)
         if tty != container.spec.tty:
@@ -985,18 +1010,20 @@ class Runtime:
             )
         options = rc.ExecOptions((), container.metadata.name, stdin, stdout, stderr, tty)
         pod = self.pods[container.pod_id]
-        return self._url(PendingStream(StreamKind.ATTACH, self.pod_ref(pod), container.id, options))
+        return PendingStream(StreamKind.ATTACH, self.pod_ref(pod), container.id, options)
 
     def port_forward_url(self, pod_id: str, ports: Sequence[int]) -> str:
+        return self._url(self.port_forward_request(pod_id, ports))
+
+    def port_forward_request(self, pod_id: str, ports: Sequence[int] = ()) -> PendingStream:
+        """The checked port-forward that CRI PortForward hands a URL for."""
         pod = self.get_pod(pod_id)
         if pod.state is not PodState.READY:
             raise FailedPreconditionError(f"pod sandbox {pod.id} is not ready")
         for port in ports:
             if not 1 <= port <= 65535:
                 raise InvalidArgumentError(f"invalid port {port}")
-        return self._url(
-            PendingStream(StreamKind.PORTFORWARD, self.pod_ref(pod), None, None, tuple(ports))
-        )
+        return PendingStream(StreamKind.PORTFORWARD, self.pod_ref(pod), None, None, tuple(ports))
 
     # ------------------------------------------------------------------ runtime
     def conditions(self) -> list[RuntimeCondition]:

@@ -66,6 +66,7 @@ from podgate.runtime.oci import OciContainers, OciError, discard, node_hostname
 from podgate.runtime.sandbox import lifecycle as sandbox
 from podgate.runtime.store import Store
 from podgate.runtime.streaming import PendingStream, StreamingServer
+from podgate.streaming.pipeout import PipeOutput, output_socketpair
 from podgate.streaming.target import PodRef
 from podgate.streaming.tokens import TooManyRequestsError
 
@@ -1040,45 +1041,57 @@ async def _run_exec_sync(
     argv: Sequence[str], command: Sequence[str], timeout: float
 ) -> ExecSyncResult:
     """Run `argv` to its exit, with output capped. Once it exited, output still buffered in
-    the pipes is read for at most EXEC_SYNC_DRAIN_SECONDS: a background child that keeps the
-    pipes open does not hold the answer back."""
-    proc = await asyncio.create_subprocess_exec(
-        *argv,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        start_new_session=True,
-        close_fds=True,
-    )
-    assert proc.stdout is not None and proc.stderr is not None
-    kept = {"out": bytearray(), "err": bytearray()}
+    its sockets is read for at most EXEC_SYNC_DRAIN_SECONDS: a background child that keeps
+    them open does not hold the answer back."""
+    out_r, out_w = output_socketpair()
+    err_r, err_w = output_socketpair()
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=out_w,
+            stderr=err_w,
+            start_new_session=True,
+            close_fds=True,
+        )
+    except BaseException:
+        os.close(out_r)
+        os.close(err_r)
+        raise
+    finally:
+        os.close(out_w)
+        os.close(err_w)
+    outputs = (PipeOutput(out_r), PipeOutput(err_r))
+    kept = (bytearray(), bytearray())
 
-    async def capped(stream: asyncio.StreamReader, buf: bytearray) -> None:
-        while chunk := await stream.read(256 * 1024):
+    async def capped(output: PipeOutput, buf: bytearray) -> None:
+        while chunk := await output.read():
             room = EXEC_SYNC_MAX_OUTPUT - len(buf)
             if room > 0:
                 buf += chunk[:room]
 
     code: int | None = None
-    async with asyncio.TaskGroup() as tg:
-        readers = [
-            tg.create_task(capped(proc.stdout, kept["out"])),
-            tg.create_task(capped(proc.stderr, kept["err"])),
-        ]
-        try:
-            async with asyncio.timeout(timeout if timeout > 0 else None):
-                code = await proc.wait()
-        except TimeoutError:
-            await _kill_exec(proc)
-            for reader in readers:
-                reader.cancel()
-        else:
-            _, pending = await asyncio.wait(readers, timeout=EXEC_SYNC_DRAIN_SECONDS)
-            for reader in pending:
-                reader.cancel()
+    try:
+        async with asyncio.TaskGroup() as tg:
+            readers = [tg.create_task(capped(o, b)) for o, b in zip(outputs, kept, strict=True)]
+            try:
+                async with asyncio.timeout(timeout if timeout > 0 else None):
+                    code = await proc.wait()
+            except TimeoutError:
+                await _kill_exec(proc)
+                for reader in readers:
+                    reader.cancel()
+            else:
+                _, pending = await asyncio.wait(readers, timeout=EXEC_SYNC_DRAIN_SECONDS)
+                for reader in pending:
+                    reader.cancel()
+    finally:
+        for output, fd in zip(outputs, (out_r, err_r), strict=True):
+            output.stop()
+            os.close(fd)
     if code is None:
         raise DeadlineExceededError(f"command {list(command)} timed out after {timeout:g}s")
-    return ExecSyncResult(bytes(kept["out"]), bytes(kept["err"]), 128 - code if code < 0 else code)
+    return ExecSyncResult(bytes(kept[0]), bytes(kept[1]), 128 - code if code < 0 else code)
 
 
 async def _kill_exec(proc: asyncio.subprocess.Process) -> None:

@@ -22,7 +22,7 @@ from podgate.aio.datagram import DatagramStream, connected_udp_socket
 from podgate.aio.errors import ConnectError, StreamError
 from podgate.aio.streams import ByteStream, SocketStream
 from podgate.aio.tasks import cancel_and_wait
-from podgate.streaming.pipeout import PipeOutput
+from podgate.streaming.pipeout import PipeOutput, output_socketpair
 from podgate.streaming.target import ExecIO, PodRef, TargetError
 
 log = logging.getLogger(__name__)
@@ -133,10 +133,11 @@ async def _copy_out(src: PipeOutput, dst: ByteStream | None) -> None:
 
 
 async def _run_pipes(command: Sequence[str], io: ExecIO, cwd: str | None) -> int:
-    # Our own pipes rather than asyncio's: their output is read by PipeOutput (large reads in
-    # the loop's callback) instead of a StreamReader with a task per read.
-    out_r, out_w = os.pipe()
-    err_r, err_w = os.pipe()
+    # Our own descriptors rather than asyncio's pipes: the output is read by PipeOutput (large
+    # reads in the loop's callback) instead of a StreamReader with a task per read, and from
+    # sockets, which a command cannot lock against our reads (output_socketpair).
+    out_r, out_w = output_socketpair()
+    err_r, err_w = output_socketpair()
     try:
         proc = await asyncio.create_subprocess_exec(
             *command,

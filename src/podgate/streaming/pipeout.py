@@ -1,4 +1,4 @@
-"""A process's output (a pipe or a pty master) read in the event loop's own callback.
+"""A process's output (a socket, a pipe or a pty master) read in the event loop's own callback.
 
 Each readiness is one `os.read` of up to OUTPUT_READ_BYTES appended to a buffer; the consumer
 takes everything buffered at once. There is no task, timer or `wait_for` per read, and nothing
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 
 # Largest single read: as much as a pipe can hold (64 KiB by default, more when enlarged) and
 # more, so a full pipe empties in one system call.
@@ -17,6 +18,18 @@ OUTPUT_READ_BYTES = 256 * 1024
 # Unsent output beyond this stops the reads: the process then blocks on its full pipe and the
 # client's pace, not our memory, sets its speed.
 OUTPUT_BUFFER_BYTES = 1024 * 1024
+
+
+def output_socketpair() -> tuple[int, int]:
+    """(ours, the command's) descriptors for a command's stdout or stderr: a unix socket pair,
+    never a pipe. A process that splices from a socket into a pipe (busybox `cat` reading its
+    stdin with sendfile) holds the pipe's lock while it waits for input, and our read of the
+    other end then sleeps in the kernel until input comes, O_NONBLOCK or not: the whole event
+    loop stops, including whatever would have sent that input. A socket's reader takes no lock
+    that its writer can hold. Both are close-on-exec; the spawn dup()s the command's end."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    ours.shutdown(socket.SHUT_WR)  # the command reads nothing back from its output
+    return ours.detach(), theirs.detach()
 
 
 class PipeOutput:

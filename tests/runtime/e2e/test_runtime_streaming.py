@@ -11,10 +11,14 @@ flight, past which CRI answers ResourceExhausted (§7.2).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import re
+import shutil
+import signal
 import socket
+from pathlib import Path
 
 import grpc
 import pytest
@@ -116,6 +120,59 @@ async def test_exec_exit_codes_and_output(
     result = await run_exec(transport, url, stdout=stdout, stderr=stderr)
     assert result.exit_code == code
     assert (bytes(stdout.data), bytes(stderr.data)) == (b"out\n", b"err\n")
+
+
+def _kill_commands_under(daemon_pid: int, argv: bytes) -> None:
+    """SIGKILL the daemon's descendants running `argv` (NUL-joined): a failed run of the test
+    below leaves the daemon asleep in the kernel until its command gets input or dies."""
+    parents: dict[int, int] = {}
+    commands: dict[int, bytes] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+                commands[int(entry.name)] = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    for pid, cmdline in commands.items():
+        ancestor = parents.get(pid, 0)
+        while ancestor > 1 and ancestor != daemon_pid:
+            ancestor = parents.get(ancestor, 0)
+        if ancestor == daemon_pid and cmdline == argv:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_command_that_splices_its_input_to_its_output_does_not_stop_the_daemon(
+    runtime_daemon: RuntimeDaemon, cri: pb_grpc.RuntimeServiceStub, pods: Pods, transport: str
+) -> None:
+    """busybox cat copies a socket stdin with sendfile, and while it waits for input it holds
+    the lock of its stdout if that is a pipe: a daemon reading that pipe sleeps in the kernel,
+    event loop and all, and the input cat waits for never comes (kubectl exec -i … cat hung)."""
+    busybox = shutil.which("busybox")
+    assert busybox is not None, "busybox (busybox-static) is not installed"
+    _, container = await sleeper(pods, f"exec-splice-{transport}")
+    url = await exec_url(cri, container, [busybox, "cat"], stdin=True)
+    stdin, stdout = Feed(), Sink()
+    session = asyncio.create_task(run_exec(transport, url, stdin=stdin, stdout=stdout))
+    lines = [f"line {n}\n".encode() for n in range(5)]
+    try:
+        for n, line in enumerate(lines):
+            stdin.put(line)
+            await stdout.wait_for(b"".join(lines[: n + 1]), session=session)
+            # The daemon goes on answering while cat waits for the next line.
+            async with asyncio.timeout(WAIT_SECONDS):
+                await cri.Version(pb.VersionRequest())
+        stdin.close()
+        result = await session
+    finally:
+        if not session.done():
+            session.cancel()
+            _kill_commands_under(runtime_daemon.process.pid, f"{busybox}\0cat\0".encode())
+    assert result.exit_code == 0
+    assert bytes(stdout.data) == b"".join(lines)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

@@ -66,7 +66,7 @@ from podgate.runtime.oci import OciContainers, OciError, discard, node_hostname
 from podgate.runtime.sandbox import lifecycle as sandbox
 from podgate.runtime.store import Store
 from podgate.runtime.streaming import PendingStream, StreamingServer
-from podgate.streaming.pipeout import PipeOutput, output_socketpair
+from podgate.streaming.pipeout import PipeOutput, spawn_with_outputs
 from podgate.streaming.target import PodRef
 from podgate.streaming.tokens import TooManyRequestsError
 
@@ -1043,24 +1043,9 @@ async def _run_exec_sync(
     """Run `argv` to its exit, with output capped. Once it exited, output still buffered in
     its sockets is read for at most EXEC_SYNC_DRAIN_SECONDS: a background child that keeps
     them open does not hold the answer back."""
-    out_r, out_w = output_socketpair()
-    err_r, err_w = output_socketpair()
-    try:
-        proc = await asyncio.create_subprocess_exec(
-            *argv,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=out_w,
-            stderr=err_w,
-            start_new_session=True,
-            close_fds=True,
-        )
-    except BaseException:
-        os.close(out_r)
-        os.close(err_r)
-        raise
-    finally:
-        os.close(out_w)
-        os.close(err_w)
+    proc, out_r, err_r = await spawn_with_outputs(
+        argv, stdin=asyncio.subprocess.DEVNULL, start_new_session=True, close_fds=True
+    )
     outputs = (PipeOutput(out_r), PipeOutput(err_r))
     kept = (bytearray(), bytearray())
 

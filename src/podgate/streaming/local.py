@@ -22,7 +22,7 @@ from podgate.aio.datagram import DatagramStream, connected_udp_socket
 from podgate.aio.errors import ConnectError, StreamError
 from podgate.aio.streams import ByteStream, SocketStream
 from podgate.aio.tasks import cancel_and_wait
-from podgate.streaming.pipeout import PipeOutput, output_socketpair
+from podgate.streaming.pipeout import PipeOutput, spawn_with_outputs
 from podgate.streaming.target import ExecIO, PodRef, TargetError
 
 log = logging.getLogger(__name__)
@@ -136,24 +136,12 @@ async def _run_pipes(command: Sequence[str], io: ExecIO, cwd: str | None) -> int
     # Our own descriptors rather than asyncio's pipes: the output is read by PipeOutput (large
     # reads in the loop's callback) instead of a StreamReader with a task per read, and from
     # sockets, which a command cannot lock against our reads (output_socketpair).
-    out_r, out_w = output_socketpair()
-    err_r, err_w = output_socketpair()
-    try:
-        proc = await asyncio.create_subprocess_exec(
-            *command,
-            stdin=asyncio.subprocess.PIPE if io.stdin else asyncio.subprocess.DEVNULL,
-            stdout=out_w,
-            stderr=err_w,
-            cwd=cwd,
-            start_new_session=True,
-        )
-    except BaseException:
-        os.close(out_r)
-        os.close(err_r)
-        raise
-    finally:
-        os.close(out_w)
-        os.close(err_w)
+    proc, out_r, err_r = await spawn_with_outputs(
+        command,
+        stdin=asyncio.subprocess.PIPE if io.stdin else asyncio.subprocess.DEVNULL,
+        cwd=cwd,
+        start_new_session=True,
+    )
     stdout, stderr = PipeOutput(out_r), PipeOutput(err_r)
     feeder = None
     if io.stdin is not None:

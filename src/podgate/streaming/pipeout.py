@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+from collections.abc import Sequence
+from typing import Any
 
 # Largest single read: as much as a pipe can hold (64 KiB by default, more when enlarged) and
 # more, so a full pipe empties in one system call.
@@ -30,6 +32,26 @@ def output_socketpair() -> tuple[int, int]:
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     ours.shutdown(socket.SHUT_WR)  # the command reads nothing back from its output
     return ours.detach(), theirs.detach()
+
+
+async def spawn_with_outputs(
+    argv: Sequence[str], **options: Any
+) -> tuple[asyncio.subprocess.Process, int, int]:
+    """Start `argv` with its stdout and stderr on output_socketpair()s; returns the process
+    and our ends of both (the caller reads them with PipeOutput and closes them). `options`
+    go to create_subprocess_exec (stdin, cwd, start_new_session…)."""
+    out_r, out_w = output_socketpair()
+    err_r, err_w = output_socketpair()
+    try:
+        proc = await asyncio.create_subprocess_exec(*argv, stdout=out_w, stderr=err_w, **options)
+    except BaseException:
+        os.close(out_r)
+        os.close(err_r)
+        raise
+    finally:
+        os.close(out_w)
+        os.close(err_w)
+    return proc, out_r, err_r
 
 
 class PipeOutput:

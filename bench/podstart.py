@@ -186,13 +186,18 @@ def _descendants(root: int) -> list[int]:
     return out
 
 
-# Helpers by module (`python -m MODULE`) or by `podgate` sub-command.
-_HELPER_ROLES = {"vmm": "muxer", "agent": "agent", "holder": "holder"}
+# Helpers by module (`python -m MODULE`) or by `podgate` sub-command; forked helpers keep their
+# forker's command line and name themselves (/proc/PID/comm).
+_HELPER_ROLES = {"vmm": "muxer", "agent": "agent", "holder": "holder", "podgate-agent": "agent"}
 
 
 def _helper_name(pid: int) -> str:
-    """A helper's role from its command line: the module after `-m` (or the `podgate`
-    sub-command)."""
+    """A helper's role from its name (a forked one) or its command line: the module after `-m`
+    (or the `podgate` sub-command)."""
+    with contextlib.suppress(OSError):
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        if comm.startswith("podgate-"):
+            return _HELPER_ROLES.get(comm, comm)
     with contextlib.suppress(OSError, ValueError, IndexError):
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
         module = argv[argv.index("-m") + 1]
@@ -221,7 +226,8 @@ def podgate_sandboxed_pod_pids(state: Path, sandbox: str, container: str) -> dic
         if extra.get(key)
     ]
     for role, pid in roots:
-        pids.setdefault(role, pid)
+        if pid not in pids.values():  # the guest's holder may be its namespace process
+            pids.setdefault(role, pid)
     for _, pid in roots:
         for found in _descendants(pid):
             if found in excluded or found in pids.values():
@@ -237,11 +243,13 @@ def podgate_sandboxed_pod_pids(state: Path, sandbox: str, container: str) -> dic
 
 def podgate_node_pids(daemon: int) -> dict[str, int]:
     """podgate's per-node helpers beside the daemon: the helper forker (the shims' parent
-    interpreter; they share its unchanged pages)."""
+    interpreter; they share its unchanged pages) and its second stage, the sandbox shims'
+    forker (its only child), once a sandboxed pod has started one."""
     for pid in _children(daemon):
         with contextlib.suppress(OSError):
             if b"podgate.linux.forker" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                return {"helper forker": pid}
+                stages = _children(pid)
+                return {"helper forker": pid} | ({"sandbox forker": stages[0]} if stages else {})
     return {}
 
 
@@ -512,11 +520,13 @@ def _notes(section: dict[str, Any]) -> list[str]:
             notes.append(f"sandboxed pod PSS MiB per process: {parts}")
         if sandboxed["error"]:
             notes.append(f"sandboxed pod failed: {sandboxed['error']}")
-    pods = max(1, len(section["memory"]["podgate"]))
     for role, kib in section.get("node", {}).items():
+        sandboxed_only = role.endswith("sandbox forker")
+        pods = 1 if sandboxed_only else max(1, len(section["memory"]["podgate"]))
+        kind = "sandboxed pod" if sandboxed_only else "pod"
         notes.append(
             f"{role} (one per node, not in PSS/pod): {kib / 1024:.1f} MiB, "
-            f"{kib / 1024 / pods:.2f} MiB per pod over {pods} pods"
+            f"{kib / 1024 / pods:.2f} MiB per {kind} over {pods} {kind}s"
         )
     return notes
 

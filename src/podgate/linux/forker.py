@@ -5,22 +5,32 @@ Most of a spawned helper's start is the interpreter and its imports, and all of 
 its own. Forked from this process it starts in milliseconds and shares the pages neither
 touches with the forker and with every other helper forked from it (PSS divides shared pages).
 
-`python -m podgate.linux.forker` talks to the daemon over its stdin, one end of a unix socket
-pair: it says "ready", then answers requests, one JSON line {"module": M, "args": [...],
-"log": FILE} for a module of HELPERS, with the exit status of the first fork as a line (0: the
-helper is on its way; it reports through its ready file, as a spawned one does). A helper is
+`python -m podgate.linux.forker [MODULE ...]` talks to the daemon over its stdin, one end of a
+unix socket pair: it says "ready", then answers requests, one JSON line {"module": M, "args":
+[...], "log": FILE} for one of its modules (default: HELPERS), with the exit status of the
+first fork as a line (0: the helper is on its way; it reports through its ready file, as a
+spawned one does). A helper is
 forked twice and starts a new session: it is no child of the forker or the daemon and outlives
 both, and runs as `python -m M ARGS --foreground` would. The forker lives as long as the
 daemon: the daemon's end closing (EOF), a `kill -9` of the daemon included, ends it. No path
 names it, so nothing else can ask it for anything.
+
+Modules named on the command line (the sandbox shim's) are forked by a second stage: a child
+of this forker, started with the first request for one of them, that imports them, runs their
+`warm(scratch)` and forks their `main(argv)`. Requests for them go through this forker to it.
+Their imports (asyncio, for one) stay out of the pages every container shim maps, and what the
+stage did not write it shares with this forker and every helper of both.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
+import importlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -28,8 +38,6 @@ import tempfile
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Final
 
-from podgate.linux import holder as holder_mod
-from podgate.linux import shim as shim_mod
 from podgate.linux.proc import SpawnError, helper_env, log_tail, spawn_detached
 
 # asyncio and logging are the daemon side's (Forker), imported where used: the forker process
@@ -39,11 +47,8 @@ if TYPE_CHECKING:
 
 __all__ = ["HELPERS", "Forker", "main"]
 
-# What may be forked: module name -> its main(argv).
-HELPERS: Final[dict[str, Callable[[Sequence[str] | None], int]]] = {
-    "podgate.linux.shim": shim_mod.main,
-    "podgate.linux.holder": holder_mod.main,
-}
+# What the first forker forks (the per-pod helpers of every pod), by module name.
+HELPERS: Final = ("podgate.linux.shim", "podgate.linux.holder")
 
 # Starting the forker (an interpreter importing the shim) on a loaded machine, seconds.
 FORKER_START_TIMEOUT: Final = 30.0
@@ -53,6 +58,10 @@ _READY: Final = b"ready\n"
 _MAX_REQUEST: Final = 64 * 1024
 # The answer to a request the forker could not read or run (no exit status is negative).
 _BAD_REQUEST: Final = -1
+
+
+# The helpers of the forker being run (this process): module name -> its main(argv).
+_serving: dict[str, Callable[[Sequence[str] | None], int]] = {}
 
 
 def _grandchild(module: str, args: list[str], log_file: str) -> int:
@@ -68,7 +77,7 @@ def _grandchild(module: str, args: list[str], log_file: str) -> int:
         if int(name) > 2:
             with contextlib.suppress(OSError):
                 os.close(int(name))
-    return HELPERS[module]([*args, "--foreground"])
+    return _serving[module]([*args, "--foreground"])
 
 
 def _fork_helper(module: str, args: list[str], log_file: str) -> int:
@@ -94,11 +103,100 @@ def _fork_helper(module: str, args: list[str], log_file: str) -> int:
     return os.waitstatus_to_exitcode(status)
 
 
-def _answer(request: bytes) -> bytes:
+class _Stage:
+    """The second stage: a child of this forker that imports `modules` and forks them."""
+
+    def __init__(self, modules: list[str], upstream: socket.socket) -> None:
+        self.modules = frozenset(modules)
+        self._upstream = upstream  # the daemon's socket: not the stage's to keep
+        self._conn: socket.socket | None = None
+        self._pid = 0
+
+    def ask(self, request: bytes) -> bytes:
+        """Its answer to `request`; a new stage once if the old one is gone."""
+        for attempt in (1, 2):
+            try:
+                conn = self._conn or self._start()
+                conn.sendall(request + b"\n")
+                answer = _read_line(conn)
+                if answer:
+                    return answer
+                raise OSError("the second stage exited")
+            except OSError as exc:
+                self._stop()
+                if attempt == 2:
+                    raise OSError(f"no second stage: {exc}") from exc
+        raise AssertionError("unreachable")
+
+    def _start(self) -> socket.socket:
+        ours, theirs = socket.socketpair()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                ours.close()
+                self._upstream.close()
+                code = _run_stage(theirs, sorted(self.modules))
+            except BaseException as exc:
+                print(f"forker: the second stage failed: {exc!r}", file=sys.stderr)
+            finally:
+                with contextlib.suppress(Exception):
+                    sys.stderr.flush()
+                os._exit(code)
+        theirs.close()
+        self._conn, self._pid = ours, pid
+        if _read_line(ours) != _READY:
+            raise OSError("the second stage did not start")
+        return ours
+
+    def close(self) -> None:
+        """Stop the stage (helpers it forked keep running)."""
+        self._stop()
+
+    def _stop(self) -> None:
+        conn, self._conn = self._conn, None
+        pid, self._pid = self._pid, 0
+        if conn is not None:
+            conn.close()
+        if pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+
+
+def _run_stage(conn: socket.socket, modules: list[str]) -> int:
+    """The second stage's life: import and warm `modules`, then fork them until EOF."""
+    _serving.clear()
+    with tempfile.TemporaryDirectory(prefix="podgate-forker-") as scratch:
+        _serving.update(_load(modules, scratch))
+    gc.collect()
+    gc.freeze()
+    conn.sendall(_READY)
+    serve(conn, functools.partial(_answer, None))
+    return 0
+
+
+def _read_line(conn: socket.socket) -> bytes:
+    """One line from the stage (they are short); b"" at EOF."""
+    line = b""
+    while not line.endswith(b"\n") and len(line) < _MAX_REQUEST:
+        chunk = conn.recv(1)
+        if not chunk:
+            return b""
+        line += chunk
+    return line
+
+
+def _answer(stage: _Stage | None, request: bytes) -> bytes:
     try:
         data = json.loads(request)
         module, args = str(data["module"]), [str(a) for a in data["args"]]
-        if module not in HELPERS:
+        if stage is not None and module in stage.modules:
+            return stage.ask(request)
+        if module not in _serving:
             raise ValueError(f"no helper {module!r}")
         code = _fork_helper(module, args, str(data["log"]))
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -107,14 +205,14 @@ def _answer(request: bytes) -> bytes:
     return b"%d\n" % code
 
 
-def serve(conn: socket.socket) -> None:
+def serve(conn: socket.socket, answer: Callable[[bytes], bytes]) -> None:
     """Answer requests on `conn` until the daemon's end closes."""
     buffered = b""
     while True:
         newline = buffered.find(b"\n")
         if newline >= 0:
             request, buffered = buffered[:newline], buffered[newline + 1 :]
-            conn.sendall(_answer(request))
+            conn.sendall(answer(request))
             continue
         if len(buffered) > _MAX_REQUEST:
             return
@@ -124,25 +222,46 @@ def serve(conn: socket.socket) -> None:
         buffered += chunk
 
 
+def _load(modules: list[str], scratch: str) -> dict[str, Callable[[Sequence[str] | None], int]]:
+    """Import the helper modules named, warm them; their mains by name."""
+    mains = {}
+    for name in modules:
+        module = importlib.import_module(name)
+        warm = getattr(module, "warm", None)
+        if warm is not None:
+            warm(scratch)
+        mains[name] = module.main
+    return mains
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    if list(sys.argv[1:] if argv is None else argv):
-        print("usage: python -m podgate.linux.forker  (stdin: a unix socket)", file=sys.stderr)
+    modules = list(sys.argv[1:] if argv is None else argv)
+    if any(m.startswith("-") for m in modules):
+        usage = "usage: python -m podgate.linux.forker [MODULE ...]  (stdin: a unix socket)"
+        print(usage, file=sys.stderr)
         return 2
     conn = socket.socket(fileno=os.dup(0))
     # What the helpers will use, imported and run once (podgate.linux.shim.warm), frozen out
     # of the collector's way, so their pages stay shared after a fork. No thread is left
     # running: the forker only forks.
-    with tempfile.TemporaryDirectory(prefix="podgate-forker-") as scratch:
-        shim_mod.warm(scratch)
+    try:
+        with tempfile.TemporaryDirectory(prefix="podgate-forker-") as scratch:
+            _serving.update(_load(list(HELPERS), scratch))
+    except (ImportError, AttributeError) as exc:
+        print(f"forker: cannot load its helpers: {exc}", file=sys.stderr)
+        return 2
     gc.collect()
     gc.freeze()
+    stage = _Stage(modules, conn) if modules else None
     try:
         conn.sendall(_READY)
-        serve(conn)
+        serve(conn, functools.partial(_answer, stage))
     except OSError as exc:
         print(f"forker: the daemon's socket failed: {exc}", file=sys.stderr)
     finally:
         conn.close()
+        if stage is not None:
+            stage.close()
     return 0
 
 
@@ -156,10 +275,12 @@ class Forker:
     """The daemon's side: starts the forker on first use (again if it died) and asks it for
     helpers."""
 
-    def __init__(self, log_file: str) -> None:
+    def __init__(self, log_file: str, modules: Sequence[str] = ()) -> None:
+        """`modules`: what it forks besides HELPERS, from its second stage."""
         import asyncio
 
         self.log_file = log_file
+        self.modules = tuple(modules)
         self._process: subprocess.Popen[bytes] | None = None
         self._stream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         self._sock: socket.socket | None = None
@@ -177,7 +298,7 @@ class Forker:
     async def spawn(self, module: str, args: list[str], log_file: str) -> None:
         """Fork `python -m module args` (which daemonizes itself when spawned); a spawned one
         if the forker cannot be had. SpawnError if the helper could not be started."""
-        if module not in HELPERS:
+        if module not in HELPERS and module not in self.modules:
             raise SpawnError(f"no helper {module!r}")
         try:
             code = await self._request(module, args, log_file)
@@ -238,7 +359,7 @@ class Forker:
     def _popen(self, conn: socket.socket) -> subprocess.Popen[bytes]:
         with open(self.log_file, "ab") as log_out:
             return subprocess.Popen(
-                [sys.executable, "-m", "podgate.linux.forker"],
+                [sys.executable, "-m", "podgate.linux.forker", *self.modules],
                 stdin=conn.fileno(),
                 stdout=subprocess.DEVNULL,
                 stderr=log_out,

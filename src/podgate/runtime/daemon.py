@@ -112,7 +112,8 @@ async def running_runtime(config: RuntimeConfig) -> AsyncIterator[RunningRuntime
 
     async def restart_shim(pod: PodRecord) -> None:
         try:
-            if await sandbox.ensure_shim(pod, runtime.store.run_path(pod.id)):
+            run_dir = runtime.store.run_path(pod.id)
+            if await sandbox.ensure_shim(pod, run_dir, runtime.forker.spawn):
                 runtime.store.save_pod(pod)
         except sandbox.SandboxError as exc:
             raise BackendUnavailableError(str(exc)) from exc

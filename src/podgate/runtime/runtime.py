@@ -139,7 +139,9 @@ class Runtime:
         # Lifecycle events for GetContainerEvents; its poll turns unseen exits into events.
         self.events = ContainerEvents(poll=self._refresh_all)
         # Shims and holders are forked from a warm interpreter living as long as this daemon.
-        self.forker = Forker(str(self.store.run_dir / "forker.log"))
+        # Sandbox shims (asyncio, ttrpc, the agent) from its second stage, started with the
+        # first sandboxed pod: their imports stay out of the pages every container shim maps.
+        self.forker = Forker(str(self.store.run_dir / "forker.log"), sandbox.FORKER_MODULES)
 
     def close(self) -> None:
         """Stop the daemon's helpers (pods and their shims keep running)."""
@@ -333,7 +335,8 @@ class Runtime:
                     raise FailedPreconditionError(
                         f"failed to set up the pod's files: {exc}"
                     ) from exc
-                await sandbox.start_for_pod(pod, run)  # sandboxed pods: guest, shim and agent
+                # Sandboxed pods: the shim, which starts the guest and the agent.
+                await sandbox.start_for_pod(pod, run, self.forker.spawn)
                 if self.nri is not None:
                     try:
                         await self.nri.pod_started(pod)  # network plugins configure the netns

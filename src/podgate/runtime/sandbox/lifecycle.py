@@ -1,9 +1,11 @@
 """The runtime's side of sandboxed pods: start, adopt and stop a pod's sandbox shim.
 
-A pod of the `sandboxed` handler has two sets of namespaces. The pod holder's are what the
-runtime reports (the host side of the VM: loopback only, nothing listening); the guest holder's,
-started by the sandbox shim, are where the containers run. The shim's and the guest's process
-refs live in `PodRecord.extra`, so a restarted daemon (or a restarted shim) finds them again.
+A pod of the `sandboxed` handler has two sets of namespaces. The pod's own are what the
+runtime reports (the host side of the VM: loopback only, nothing listening); the guest's, made
+by the sandbox shim and held by the guest's PID 1, are where the containers run. The shim's and
+the guest's process refs live in `PodRecord.extra`, so a restarted daemon (or a restarted shim)
+finds them again. The shim is forked from a warm interpreter (`FORKER_MODULES`, the second
+stage of the daemon's podgate.linux.forker), not started as a new one.
 """
 
 from __future__ import annotations
@@ -16,13 +18,21 @@ from pathlib import Path
 from typing import Any, Final
 
 from podgate.linux import holder as holder_mod
-from podgate.linux.proc import SpawnError, is_alive, signal_process, spawn_detached, wait_gone
+from podgate.linux.proc import (
+    Spawn,
+    SpawnError,
+    is_alive,
+    signal_process,
+    spawn_detached,
+    wait_gone,
+)
 from podgate.linux.proc import wait_ready_file as _wait_ready_file
 from podgate.model import PodRecord, ProcessRef
 from podgate.runtime.api import FailedPreconditionError
 from podgate.shimapi import SHIM_SOCKET, shim_socket
 
 __all__ = [
+    "FORKER_MODULES",
     "GUEST_NS_PID",
     "HANDLER",
     "READY_FILE",
@@ -50,11 +60,14 @@ GUEST_NS_PID: Final = "guest_ns_pid"
 _SHIM: Final = "sandbox_shim"
 _GUEST_HOLDER: Final = "guest_holder"
 _GUEST_NS_PROCESS: Final = "guest_ns_process"
-# Booting a sandbox starts four interpreters (shim, guest holder, muxer, agent) one after the
-# other and waits for the agent's health, seconds.
+# Booting a sandbox forks the shim, the guest and the agent and waits for the agent's health;
+# generous, for a loaded node (or a forker that has to start first), seconds.
 SANDBOX_START_TIMEOUT: Final = 60.0
-# How long the shim gets to stop its agent and muxer after SIGTERM, seconds.
+# How long the shim gets to stop its agent after SIGTERM, seconds.
 SHIM_STOP_TIMEOUT: Final = 5.0
+# What the sandbox shims' forker imports and forks.
+_SHIM_MODULE: Final = "podgate.runtime.sandbox.shim"
+FORKER_MODULES: Final = (_SHIM_MODULE,)
 
 
 class SandboxError(SpawnError):
@@ -92,19 +105,11 @@ def container_ns_pid(pod: PodRecord) -> int:
     return int(pod.extra[GUEST_NS_PID])
 
 
-async def _start_shim(pod: PodRecord, run_dir: Path, *, adopt: bool) -> None:
+async def _start_shim(pod: PodRecord, run_dir: Path, *, adopt: bool, spawn: Spawn | None) -> None:
     ready = run_dir / READY_FILE
     with contextlib.suppress(FileNotFoundError):
         ready.unlink()
-    argv = [
-        sys.executable,
-        "-m",
-        "podgate.runtime.sandbox.shim",
-        "--dir",
-        str(run_dir),
-        "--ready-file",
-        str(ready),
-    ]
+    argv = ["--dir", str(run_dir), "--ready-file", str(ready)]
     if pod.hostname:
         argv += ["--hostname", pod.hostname]
     if adopt:
@@ -116,7 +121,10 @@ async def _start_shim(pod: PodRecord, run_dir: Path, *, adopt: bool) -> None:
         ]
     log_file = str(run_dir / SHIM_LOG)
     try:
-        await spawn_detached(argv, log_file)
+        if spawn is not None:
+            await spawn(_SHIM_MODULE, argv, log_file)
+        else:
+            await spawn_detached([sys.executable, "-m", _SHIM_MODULE, *argv], log_file)
         data: dict[str, Any] = await _wait_ready_file(str(ready), SANDBOX_START_TIMEOUT, log_file)
     except SpawnError as exc:
         raise SandboxError(str(exc)) from exc
@@ -126,15 +134,16 @@ async def _start_shim(pod: PodRecord, run_dir: Path, *, adopt: bool) -> None:
     pod.extra[GUEST_NS_PID] = int(data["guest_ns_process"]["pid"])
 
 
-async def start_for_pod(pod: PodRecord, run_dir: Path) -> None:
+async def start_for_pod(pod: PodRecord, run_dir: Path, spawn: Spawn | None = None) -> None:
     """Boot the sandbox of a new pod (a no-op for other handlers); its refs go to `pod.extra`.
+    `spawn` forks the shim (podgate.linux.forker, FORKER_MODULES); None: a new interpreter.
 
     On failure the pod holder is stopped too and FailedPreconditionError says why.
     """
     if not is_sandboxed(pod):
         return
     try:
-        await _start_shim(pod, run_dir, adopt=False)
+        await _start_shim(pod, run_dir, adopt=False, spawn=spawn)
     except SandboxError as exc:
         if pod.holder is not None:
             await holder_mod.stop_holder(pod.holder)
@@ -142,7 +151,7 @@ async def start_for_pod(pod: PodRecord, run_dir: Path) -> None:
     log.info("pod %s: sandbox shim %s", pod.id[:12], pod.extra[_SHIM]["pid"])
 
 
-async def ensure_shim(pod: PodRecord, run_dir: Path) -> bool:
+async def ensure_shim(pod: PodRecord, run_dir: Path, spawn: Spawn | None = None) -> bool:
     """Start a new shim for a running guest whose shim is gone; True if one was started.
 
     The caller saves the pod record. Raises SandboxError when there is no guest to adopt.
@@ -155,7 +164,7 @@ async def ensure_shim(pod: PodRecord, run_dir: Path) -> bool:
     if guest is None or holder is None or not is_alive(guest) or not is_alive(holder):
         raise SandboxError(f"pod sandbox {pod.id} has no running guest to adopt")
     log.warning("pod %s: sandbox shim is gone; starting a new one", pod.id[:12])
-    await _start_shim(pod, run_dir, adopt=True)
+    await _start_shim(pod, run_dir, adopt=True, spawn=spawn)
     return True
 
 
@@ -169,8 +178,9 @@ async def stop_for_pod(pod: PodRecord) -> None:
         signal_process(shim, signal.SIGKILL)
         await wait_gone(shim, SHIM_STOP_TIMEOUT)
     holder = _ref(pod, _GUEST_HOLDER)
-    if holder is not None:
-        await holder_mod.stop_holder(holder)
     guest = _ref(pod, _GUEST_NS_PROCESS)
+    if holder is not None and holder != guest:  # a guest of an older shim: holder and PID 1
+        await holder_mod.stop_holder(holder)
+    # The guest's PID 1 ignores SIGTERM (no handler); SIGKILL ends it and its namespace.
     if guest is not None and signal_process(guest, signal.SIGKILL):
         await wait_gone(guest, SHIM_STOP_TIMEOUT)

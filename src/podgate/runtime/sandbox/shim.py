@@ -2,19 +2,21 @@
 the shim-level PortForward API (containerd PR #4814's shape) on top of an in-guest agent.
 
 Run as `python -m podgate.runtime.sandbox.shim --dir DIR --ready-file FILE [--hostname H]
-[--adopt-guest HOLDER_PID:START:NS_PID:START]`. It daemonizes (the first process exits at once),
-then:
+[--adopt-guest HOLDER_PID:START:NS_PID:START]`, or forked from a warm interpreter
+(podgate.linux.forker, which warms it with `warm`). It daemonizes (the first process exits at
+once), then:
 
-1. starts the guest, a second pod holder with its own network, UTS, IPC and PID namespaces (or,
-   with --adopt-guest, takes over the guest of a shim that died);
-2. starts the hybrid-vsock muxer (the VMM's host side) on DIR/v.sock and the agent inside the
-   guest's namespaces, listening on guest vsock port 1024;
+1. starts the guest: new network, UTS, IPC and PID namespaces whose PID 1 is a `sleep`
+   (podgate.linux.pidone; the guest's holder and namespace process are that one process), or,
+   with --adopt-guest, takes over the guest of a shim that died;
+2. runs the hybrid-vsock muxer (the VMM's host side, podgate.linux.vmm.Muxer) on DIR/v.sock in
+   its own event loop, as Kata's runtime-rs runs its built-in VMM in the shim, and forks the
+   agent, which enters the guest's namespaces and listens on guest vsock port 1024;
 3. waits for the agent's Health over hybrid vsock;
 4. serves `podgate.shim.v1.Shim` over ttrpc on DIR/shim.sock and writes the ready file.
 
-The muxer and the agent die with the shim (PR_SET_PDEATHSIG); the guest does not, so containers
-outlive a shim crash. When the agent or the muxer exits, connections through them are aborted
-and both are started again.
+The agent dies with the shim (PR_SET_PDEATHSIG); the guest does not, so containers outlive a
+shim crash. When the agent exits, connections through it are aborted and it is started again.
 
 PortForward(id, port, addr, protocol): a dial-back listener DIR/v.sock_P is shared by every
 connection to the same (container, port, protocol) and closed when the last one ends (Kata PR
@@ -27,10 +29,10 @@ have connected TCP) and otherwise copies bytes as for TCP.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import ctypes
+import gc
 import heapq
 import logging
 import os
@@ -44,23 +46,24 @@ from typing import Any, Final
 
 from google.protobuf.message import DecodeError
 
+from podgate.agent import agent as agent_mod
 from podgate.agent import agent_pb2
 from podgate.aio.errors import ConnectError, StreamError
 from podgate.aio.ksplice import splice_sockets
+from podgate.aio.loop import run
 from podgate.aio.splice import splice
 from podgate.aio.streams import DEFAULT_RECEIVE_BYTES, Buffer, ByteStream, SocketStream
 from podgate.aio.tasks import TaskSet
 from podgate.aio.ttrpc import RequestContext, TtrpcClient, TtrpcClosedError, TtrpcServer
-from podgate.linux import holder as holder_mod
-from podgate.linux import vsock
+from podgate.linux import ns, pidone, vsock
 from podgate.linux.proc import (
-    SpawnError,
     atomic_write_json,
     is_alive,
     is_exiting,
     process_ref,
-    wait_ready_file,
+    signal_process,
 )
+from podgate.linux.vmm import Muxer
 from podgate.model import ProcessRef
 from podgate.proto.ttrpc import Code, TtrpcError
 from podgate.shimapi import shim_pb2
@@ -72,6 +75,7 @@ __all__ = [
     "SHIM_SERVICE",
     "SandboxShim",
     "main",
+    "warm",
 ]
 
 log = logging.getLogger("podgate.sandbox.shim")
@@ -93,7 +97,8 @@ DIAL_BACK_NONCE_BYTES: Final = 16
 # it at once after connecting, seconds.
 DIAL_BACK_NONCE_TIMEOUT_SECONDS: Final = 5.0
 AGENT_CALL_TIMEOUT_SECONDS: Final = 10.0
-# A fresh agent is an interpreter start inside the guest plus a listen, seconds.
+# A fresh agent is a fork of this shim and a listen inside the guest, seconds (generous: a
+# loaded node).
 AGENT_BOOT_TIMEOUT_SECONDS: Final = 30.0
 # How long one Health call may take, and the pause between attempts while booting, seconds.
 HEALTH_CALL_TIMEOUT_SECONDS: Final = 2.0
@@ -104,29 +109,132 @@ AGENT_WAIT_SECONDS: Final = 5.0
 # Pause before restarting an agent that exited; doubles up to the maximum, seconds.
 RESTART_BACKOFF_SECONDS: Final = 0.2
 RESTART_BACKOFF_MAX_SECONDS: Final = 5.0
-# Grace for the agent and muxer after SIGTERM before SIGKILL, seconds.
+# Grace for the agent after SIGTERM before SIGKILL, seconds.
 CHILD_STOP_SECONDS: Final = 2.0
-VMM_START_TIMEOUT_SECONDS: Final = 15.0
-NSENTER: Final = "/usr/bin/nsenter"
+# The guest's namespaces the agent joins (its PID namespace it does not: it is no process of
+# the pod's, and a PID namespace can only be entered by children).
+AGENT_NAMESPACES: Final = (
+    ("net", ns.CLONE_NEWNET),
+    ("uts", ns.CLONE_NEWUTS),
+    ("ipc", ns.CLONE_NEWIPC),
+)
+
+# Health calls a forker makes through an agent and a muxer of its own before it forks (`warm`),
+# and how long that may take, seconds.
+WARM_ROUNDS: Final = 10
+WARM_TIMEOUT_SECONDS: Final = 10.0
 
 _PR_SET_PDEATHSIG: Final = 1
+_PR_SET_NAME: Final = 15
 _libc = ctypes.CDLL(None, use_errno=True)
 _prctl = _libc.prctl
 
 
-def _die_with_parent() -> None:
-    # Runs in the forked child before exec: nothing but the one syscall.
-    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-
-
-def _source_root() -> str:
-    import podgate
-
-    return os.path.dirname(os.path.dirname(os.path.abspath(podgate.__file__)))
-
-
 class ShimStartError(Exception):
     """The sandbox could not be booted; the message goes to the ready file."""
+
+
+# --------------------------------------------------------------------------- the agent process
+
+
+class _AgentProcess:
+    """The agent, a forked child of this shim; its exit is seen through a pidfd."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self._exited = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        self._pidfd = os.pidfd_open(pid)
+        self._loop.add_reader(self._pidfd, self._reap)
+
+    def _reap(self) -> None:
+        self._loop.remove_reader(self._pidfd)
+        os.close(self._pidfd)
+        _, status = os.waitpid(self.pid, 0)
+        self.returncode = os.waitstatus_to_exitcode(status)
+        self._exited.set()
+
+    async def wait(self) -> int:
+        await self._exited.wait()
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:  # not reaped yet: the pid is still this child's
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def fork_agent(run_dir: Path, guest_ns_pid: int) -> int:
+    """Fork the agent (its pid): it shares this process's pages instead of starting an
+    interpreter. The shim forks its first agent before its event loop runs, so that agent
+    shares only pages the shim has not written yet; a restarted one is forked from the
+    running shim."""
+    with contextlib.suppress(FileNotFoundError):
+        (run_dir / f"guest.vsock_{AGENT_VSOCK_PORT}").unlink()
+    listen = f"unix://{run_dir / 'guest.vsock'}_{AGENT_VSOCK_PORT}"
+    host = f"hvsock://{run_dir / 'v.sock'}"
+    shim_pid = os.getpid()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            code = _agent_child(shim_pid, str(run_dir / "agent.log"), guest_ns_pid, listen, host)
+        except BaseException as exc:  # nothing may return into the shim's event loop
+            with contextlib.suppress(Exception):
+                print(f"sandbox agent: {exc!r}", file=sys.stderr)
+        finally:
+            with contextlib.suppress(Exception):
+                sys.stderr.flush()
+            os._exit(code)
+    return pid
+
+
+def _agent_child(shim_pid: int, log_file: str, guest_ns_pid: int, listen: str, host: str) -> int:
+    """In the forked child: leave the shim's state behind, enter the guest, serve the agent."""
+    gc.freeze()  # the shim's objects: the collector would write to (and copy) their pages
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != shim_pid:
+        return 1  # the shim died before the line above
+    _prctl(_PR_SET_NAME, b"podgate-agent", 0, 0, 0)
+    signal.set_wakeup_fd(-1)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_DFL)
+    _own_descriptors(log_file)
+    for kind, flag in AGENT_NAMESPACES:
+        fd = os.open(f"/proc/{guest_ns_pid}/ns/{kind}", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            ns.setns(fd, flag)
+        finally:
+            os.close(fd)
+    asyncio.events._set_running_loop(None)  # the shim's, running in the frame we forked from
+    run(agent_mod.serve(vsock.parse_address(listen), vsock.parse_address(host)))
+    return 0
+
+
+def _own_descriptors(log_file: str) -> None:
+    """stdio to /dev/null and `log_file`; every other descriptor (the shim's sockets, its loop's
+    epoll) becomes /dev/null: their peers see them closed, and a shim object that closes its
+    number later closes /dev/null, never a descriptor of the agent's."""
+    devnull = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+    log_fd = os.open(log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    os.dup2(devnull, 0)
+    os.dup2(devnull, 1)
+    os.dup2(log_fd, 2)
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd > 2 and fd not in (devnull, log_fd):
+            with contextlib.suppress(OSError):
+                os.dup2(devnull, fd, inheritable=False)
+    os.close(log_fd)
+    os.close(devnull)
 
 
 # --------------------------------------------------------------------------- connections
@@ -236,10 +344,11 @@ class SandboxShim:
         self._next_port = FIRST_DIAL_BACK_PORT
         self._relays: set[_Relay] = set()
         self._tasks = TaskSet("sandbox shim", log)
-        self._agent_proc: asyncio.subprocess.Process | None = None
+        self._agent_proc: _AgentProcess | None = None
         # The running agent, once healthy: Stats checks it is not exiting (see get_stats).
         self._agent_ref: ProcessRef | None = None
-        self._vmm_proc: asyncio.subprocess.Process | None = None
+        self._muxer: Muxer | None = None
+        self._muxer_listener: vsock.Listener | None = None
         self._agent: TtrpcClient | None = None
         self._agent_up = asyncio.Event()
         self._agent_lock = asyncio.Lock()
@@ -247,77 +356,20 @@ class SandboxShim:
 
     # -- the guest's processes
 
-    async def _spawn(self, argv: list[str], log_name: str) -> asyncio.subprocess.Process:
-        env = dict(os.environ)
-        root = _source_root()
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
-        log_fd = os.open(
-            self.run_dir / log_name, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644
-        )
+    async def _start_muxer(self) -> None:
+        """The VMM's host side, in this process: host connections on DIR/v.sock to the guest's
+        listeners DIR/guest.vsock_PORT. It runs as long as the shim."""
+        muxer = Muxer(str(self.run_dir / "guest.vsock"))
         try:
-            return await asyncio.create_subprocess_exec(
-                *argv,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.DEVNULL,
-                stderr=log_fd,
-                env=env,
-                preexec_fn=_die_with_parent,
-            )
-        finally:
-            os.close(log_fd)
+            self._muxer_listener = await muxer.listen(self.device.path)
+        except (OSError, StreamError) as exc:
+            raise ShimStartError(f"the hybrid vsock muxer cannot listen: {exc}") from exc
+        self._muxer = muxer
 
-    async def _start_vmm(self) -> asyncio.subprocess.Process:
-        ready = self.run_dir / "vmm.json"
-        with contextlib.suppress(FileNotFoundError):
-            ready.unlink()
-        proc = await self._spawn(
-            [
-                sys.executable,
-                "-m",
-                "podgate.linux.vmm",
-                "--uds",
-                self.device.path,
-                "--guest-prefix",
-                str(self.run_dir / "guest.vsock"),
-                "--ready-file",
-                str(ready),
-            ],
-            "vmm.log",
-        )
-        try:
-            await wait_ready_file(
-                str(ready), VMM_START_TIMEOUT_SECONDS, str(self.run_dir / "vmm.log")
-            )
-        except SpawnError as exc:
-            await _stop_child(proc)
-            raise ShimStartError(f"the hybrid vsock muxer did not start: {exc}") from exc
-        return proc
+    def _start_agent(self) -> _AgentProcess:
+        return _AgentProcess(fork_agent(self.run_dir, self.guest_ns_pid))
 
-    async def _start_agent(self) -> asyncio.subprocess.Process:
-        guest = f"/proc/{self.guest_ns_pid}/ns"
-        with contextlib.suppress(FileNotFoundError):
-            (self.run_dir / f"guest.vsock_{AGENT_VSOCK_PORT}").unlink()
-        return await self._spawn(
-            [
-                NSENTER,
-                f"--net={guest}/net",
-                f"--uts={guest}/uts",
-                f"--ipc={guest}/ipc",
-                "--",
-                sys.executable,
-                "-m",
-                "podgate",
-                "agent",
-                "serve",
-                "--listen",
-                f"unix://{self.run_dir / 'guest.vsock'}_{AGENT_VSOCK_PORT}",
-                "--host",
-                str(self.device),
-            ],
-            "agent.log",
-        )
-
-    async def _health(self, proc: asyncio.subprocess.Process, timeout: float) -> TtrpcClient:
+    async def _health(self, proc: _AgentProcess, timeout: float) -> TtrpcClient:
         """A client on the agent once it answers Health "ok"; ShimStartError if it exits first
         or does not answer in time."""
         loop = asyncio.get_running_loop()
@@ -356,40 +408,35 @@ class SandboxShim:
             await asyncio.sleep(HEALTH_RETRY_SECONDS)
         raise ShimStartError(f"the agent did not become healthy within {timeout:g} s: {last}")
 
-    async def boot(self) -> None:
-        """Start the muxer and the agent and wait for the agent's health."""
-        self._vmm_proc = await self._start_vmm()
-        self._agent_proc = await self._start_agent()
+    async def boot(self, agent_pid: int = 0) -> None:
+        """Start the muxer and the agent (or take the one forked already, a child of this
+        process, `agent_pid`) and wait for the agent's health."""
+        proc = self._agent_proc = _AgentProcess(agent_pid) if agent_pid else None
+        await self._start_muxer()
+        if proc is None:
+            proc = self._agent_proc = self._start_agent()
         self.stats.agent_starts += 1
         try:
-            self._agent = await self._health(self._agent_proc, AGENT_BOOT_TIMEOUT_SECONDS)
+            self._agent = await self._health(proc, AGENT_BOOT_TIMEOUT_SECONDS)
         except ShimStartError:
-            await self._stop_vm()
+            await self._stop_agent()
             raise
-        self._agent_running(self._agent_proc.pid)
+        self._agent_running(proc.pid)
         self._spawn_task(self._supervise(), "supervisor")
 
     async def _supervise(self) -> None:
-        """Restart the muxer and the agent whenever either exits."""
+        """Restart the agent whenever it exits."""
         backoff = RESTART_BACKOFF_SECONDS
         while not self._stopping:
-            waits = {
-                asyncio.ensure_future(p.wait())
-                for p in (self._agent_proc, self._vmm_proc)
-                if p is not None
-            }
-            if waits:
-                _, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-                for waiter in pending:
-                    waiter.cancel()
+            if self._agent_proc is not None:
+                await self._agent_proc.wait()
             if self._stopping:
                 return
             self._agent_down("the sandbox agent exited")
-            await self._stop_vm()
+            await self._stop_agent()
             await asyncio.sleep(backoff)
             try:
-                self._vmm_proc = await self._start_vmm()
-                self._agent_proc = await self._start_agent()
+                self._agent_proc = self._start_agent()
                 self.stats.agent_starts += 1
                 self._agent = await self._health(self._agent_proc, AGENT_BOOT_TIMEOUT_SECONDS)
             except (ShimStartError, OSError) as exc:
@@ -420,10 +467,9 @@ class SandboxShim:
             self._spawn_task(self._agent.aclose(), "close agent client")
             self._agent = None
 
-    async def _stop_vm(self) -> None:
-        for proc in (self._agent_proc, self._vmm_proc):
-            if proc is not None:
-                await _stop_child(proc)
+    async def _stop_agent(self) -> None:
+        if self._agent_proc is not None:
+            await _stop_child(self._agent_proc)
 
     async def _agent_client(self) -> TtrpcClient:
         """The agent's client, waiting a little for one that is restarting."""
@@ -680,7 +726,11 @@ class SandboxShim:
             self._release(pool)
         if self._agent is not None:
             await self._agent.aclose()
-        await self._stop_vm()
+        await self._stop_agent()
+        if self._muxer_listener is not None:
+            self._muxer_listener.close()
+        if self._muxer is not None:
+            await self._muxer.aclose()
         await self._tasks.aclose()
 
 
@@ -691,7 +741,7 @@ def _answered_protocol(reply: bytes) -> str:
         return ""
 
 
-async def _stop_child(proc: asyncio.subprocess.Process) -> None:
+async def _stop_child(proc: _AgentProcess) -> None:
     if proc.returncode is not None:
         return
     with contextlib.suppress(ProcessLookupError):
@@ -708,6 +758,50 @@ async def _stop_child(proc: asyncio.subprocess.Process) -> None:
 # --------------------------------------------------------------------------- the process
 
 
+@dataclass(slots=True)
+class _Args:
+    dir: str = ""
+    ready_file: str = ""
+    hostname: str = ""
+    adopt_guest: str = ""
+    foreground: bool = False
+    verbose: bool = False
+
+
+_USAGE: Final = (
+    "usage: python -m podgate.runtime.sandbox.shim --dir DIR [--ready-file FILE] "
+    "[--hostname H] [--adopt-guest HOLDER_PID:START:NS_PID:START] [--foreground] [-v]"
+)
+_VALUED: Final = {"--dir": "dir", "--ready-file": "ready_file", "--hostname": "hostname"}
+_VALUED_ADOPT: Final = "--adopt-guest"
+
+
+def _parse_args(argv: Sequence[str]) -> _Args:
+    """Not argparse: a parser's objects would cost a forked shim pages it otherwise shares with
+    its forker (see podgate.linux.shim)."""
+    args, rest = _Args(), list(argv)
+    while rest:
+        arg = rest.pop(0)
+        name, eq, value = arg.partition("=")
+        if name in (*_VALUED, _VALUED_ADOPT):
+            if not eq:
+                if not rest:
+                    raise ValueError(f"{name} needs a value")
+                value = rest.pop(0)
+            setattr(args, _VALUED.get(name, "adopt_guest"), value)
+        elif arg == "--foreground":
+            args.foreground = True
+        elif arg in ("-v", "--verbose"):
+            args.verbose = True
+        else:
+            raise ValueError(f"unexpected argument {arg!r}")
+    if not args.dir:
+        raise ValueError("--dir DIR is required")
+    args.dir = os.path.abspath(args.dir)
+    args.ready_file = args.ready_file or os.path.join(args.dir, "sandbox.json")
+    return args
+
+
 def _parse_adopt(text: str) -> tuple[ProcessRef, ProcessRef]:
     parts = text.split(":")
     if len(parts) != 4 or not all(p.isdigit() for p in parts):
@@ -716,52 +810,49 @@ def _parse_adopt(text: str) -> tuple[ProcessRef, ProcessRef]:
     return ProcessRef(numbers[0], numbers[1]), ProcessRef(numbers[2], numbers[3])
 
 
-async def _guest(args: argparse.Namespace, run_dir: Path) -> tuple[ProcessRef, ProcessRef, bool]:
-    """(holder, namespace process, started by us) of the guest."""
+def _guest(args: _Args) -> tuple[ProcessRef, ProcessRef, bool]:
+    """(holder, namespace process, started by us) of the guest: one process, the guest's PID 1,
+    unless adopted from a shim of an older podgate (a holder and its PID 1 child)."""
     if args.adopt_guest:
         holder, ns_process = _parse_adopt(args.adopt_guest)
         if not (is_alive(holder) and is_alive(ns_process)):
             raise ShimStartError("the sandbox's guest is gone; nothing to adopt")
         return holder, ns_process, False
     try:
-        holder, ns_process = await holder_mod.start_holder(
-            hostname=args.hostname,
-            pid_ns=True,
-            ready_file=str(run_dir / "guest.json"),
-            log_file=str(run_dir / "guest.log"),
-        )
-    except holder_mod.HolderError as exc:
+        pid_one = pidone.start(args.hostname)
+    except OSError as exc:
         raise ShimStartError(f"the guest did not start: {exc}") from exc
-    return holder, ns_process, True
+    return pid_one, pid_one, True
 
 
-async def _run(args: argparse.Namespace) -> int:
+def _fail(args: _Args, exc: BaseException, started_guest: ProcessRef | None) -> int:
+    message = f"sandbox shim: {exc}"
+    log.error("%s", message)
+    if started_guest is not None:
+        signal_process(started_guest, signal.SIGKILL)  # its PID 1: the guest ends
+    atomic_write_json(args.ready_file, {"error": message})
+    return 1
+
+
+async def _run(args: _Args, holder: ProcessRef, ns_process: ProcessRef, agent_pid: int) -> int:
     run_dir = Path(args.dir)
-    ready_file = args.ready_file or str(run_dir / "sandbox.json")
     socket_path = str(run_dir / "shim.sock")
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    started_guest: ProcessRef | None = None
+    shim = SandboxShim(run_dir, ns_process.pid)
     try:
-        holder, ns_process, ours = await _guest(args, run_dir)
-        started_guest = holder if ours else None
-        shim = SandboxShim(run_dir, ns_process.pid)
-        await shim.boot()
+        await shim.boot(agent_pid)
     except (ShimStartError, OSError) as exc:
-        message = f"sandbox shim: {exc}"
-        log.error("%s", message)
-        if started_guest is not None:
-            await holder_mod.stop_holder(started_guest)
-        atomic_write_json(ready_file, {"error": message})
-        return 1
+        await shim.stop()
+        return _fail(args, exc, None if args.adopt_guest else ns_process)
     server = TtrpcServer(name="sandbox shim")
     server.register(SHIM_SERVICE, {"PortForward": shim.port_forward, "Stats": shim.get_stats})
     listener = await server.listen_unix(socket_path)
     me = process_ref(os.getpid())
     atomic_write_json(
-        ready_file,
+        args.ready_file,
         {
             "shim": {"pid": me.pid, "start_time": me.start_time},
             "guest_holder": {"pid": holder.pid, "start_time": holder.start_time},
@@ -781,26 +872,84 @@ async def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _setup_logging(verbose: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.DEBUG if verbose else logging.INFO)
+
+
+async def _warm_boot(scratch: Path) -> None:
+    """An agent, a muxer and Health calls through them, in `scratch`."""
+    device = vsock.parse_address(f"hvsock://{scratch / 'v.sock'}")
+    agent = asyncio.ensure_future(
+        agent_mod.serve(
+            vsock.parse_address(f"unix://{scratch / 'guest.vsock'}_{AGENT_VSOCK_PORT}"), device
+        )
+    )
+    muxer = Muxer(str(scratch / "guest.vsock"))
+    listener = await muxer.listen(device.path)
+    try:
+        for _ in range(WARM_ROUNDS):
+            try:
+                stream = await vsock.connect(device.with_port(AGENT_VSOCK_PORT))
+            except (ConnectError, OSError):
+                await asyncio.sleep(HEALTH_RETRY_SECONDS)  # the agent is not listening yet
+                continue
+            client = TtrpcClient(stream, name="agent")
+            try:
+                await client.call(
+                    AGENT_SERVICE,
+                    "Health",
+                    agent_pb2.HealthRequest().SerializeToString(),
+                    timeout=HEALTH_CALL_TIMEOUT_SECONDS,
+                )
+            finally:
+                await client.aclose()
+    finally:
+        listener.close()
+        await muxer.aclose()
+        agent.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await agent
+
+
+def warm(scratch: str) -> None:
+    """What a forker runs once before it forks shims: logging set up, the agent's loop imported,
+    an agent and a muxer answering Health calls in `scratch`: the code they run is quickened and
+    what they create lazily exists, in pages the shims and agents then share. Nothing stays
+    running."""
+    _setup_logging(False)
+    logging.getLogger().handlers.clear()
+    with contextlib.suppress(TimeoutError, OSError, StreamError, TtrpcError):
+        asyncio.run(asyncio.wait_for(_warm_boot(Path(scratch)), WARM_TIMEOUT_SECONDS))
+    # Imported, not run: a libuv loop would leave at-fork handlers that close descriptors by
+    # number in every process forked from here.
+    with contextlib.suppress(ImportError):
+        import uvloop  # noqa: F401 - the agent's loop (podgate.aio.loop.run)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m podgate.runtime.sandbox.shim")
-    parser.add_argument("--dir", required=True, help="the pod's run directory")
-    parser.add_argument("--ready-file", default="", help="default: DIR/sandbox.json")
-    parser.add_argument("--hostname", default="", help="the guest's hostname")
-    parser.add_argument(
-        "--adopt-guest", default="", help="HOLDER_PID:START:NS_PID:START of a running guest"
-    )
-    parser.add_argument("--foreground", action="store_true", help="do not fork away")
-    parser.add_argument("-v", "--verbose", action="store_true")
-    args = parser.parse_args(argv)
-    args.dir = os.path.abspath(args.dir)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    try:
+        args = _parse_args(sys.argv[1:] if argv is None else argv)
+    except ValueError as exc:
+        print(f"{_USAGE}\nerror: {exc}", file=sys.stderr)
+        return 2
+    _setup_logging(args.verbose)
     if not args.foreground and os.fork() != 0:
         os._exit(0)
-    return asyncio.run(_run(args))
+    _prctl(_PR_SET_NAME, b"podgate-sbxshim", 0, 0, 0)
+    # The guest and the first agent before the event loop: the agent is forked while this
+    # process still shares nearly every page with its forker.
+    started_guest: ProcessRef | None = None
+    try:
+        holder, ns_process, ours = _guest(args)
+        started_guest = ns_process if ours else None
+        agent_pid = fork_agent(Path(args.dir), ns_process.pid)
+    except (ShimStartError, OSError) as exc:
+        return _fail(args, exc, started_guest)
+    return asyncio.run(_run(args, holder, ns_process, agent_pid))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,14 @@ import pytest
 from podgate.linux import shim as shim_mod
 from podgate.linux.forker import Forker
 from podgate.linux.holder import start_holder, stop_holder
-from podgate.linux.proc import is_alive, process_ref, read_json, signal_process, wait_gone
+from podgate.linux.proc import (
+    SpawnError,
+    is_alive,
+    process_ref,
+    read_json,
+    signal_process,
+    wait_gone,
+)
 from podgate.linux.shim import ShimSpec, read_exit_file, start_shim
 from podgate.model import NamespaceMode, ProcessRef
 
@@ -192,3 +199,64 @@ def test_the_shims_own_argument_parsing(capsys: pytest.CaptureFixture[str]) -> N
             shim_mod._parse_args(bad)
     assert shim_mod.main(["--bogus"]) == 2
     assert "usage: python -m podgate.linux.shim --spec FILE" in capsys.readouterr().err
+
+
+def _maps(pid: int) -> str:
+    with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as f:
+        return f.read()
+
+
+def _children_of(parent: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if _ppid(int(entry)) == parent:
+                    found.append(int(entry))
+            except OSError:
+                continue
+    return found
+
+
+SANDBOX_SHIM = "podgate.runtime.sandbox.shim"
+
+
+async def test_a_second_stage_forks_its_modules_and_keeps_asyncio_out_of_the_first(
+    tmp_path: Path,
+) -> None:
+    # The sandbox shim's module is forked by a child of the forker that imported it (and
+    # asyncio); the forker every container shim is forked from maps no asyncio.
+    forker = Forker(str(tmp_path / "f.log"), modules=(SANDBOX_SHIM,))
+    try:
+        await forker.start()
+        first = forker.pid
+        assert first is not None
+        assert _children_of(first) == []  # started with the first request for its modules
+        log = tmp_path / "sandbox-shim.log"
+        # A command line it refuses: its usage in the log shows its main ran, forked.
+        await forker.spawn(SANDBOX_SHIM, ["--bogus"], str(log))
+        stages = _children_of(first)
+        assert len(stages) == 1
+        stage = process_ref(stages[0])
+        assert FORKER_MODULE in _cmdline(stage.pid)
+        assert "_asyncio." in _maps(stage.pid)
+        assert "_asyncio." not in _maps(first)
+        for _ in range(int(WAIT / 0.05)):
+            if b"usage: python -m podgate.runtime.sandbox.shim" in log.read_bytes():
+                break
+            await asyncio.sleep(0.05)
+        else:
+            pytest.fail(f"no usage from the forked sandbox shim: {log.read_text()!r}")
+
+        # A stage that died is started again by the next request for its modules; the
+        # container shims' modules never needed it.
+        signal_process(stage, signal.SIGKILL)
+        assert await wait_gone(stage, WAIT)
+        await forker.spawn(SANDBOX_SHIM, ["--bogus"], str(log))
+        assert forker.pid == first
+        again = _children_of(first)
+        assert len(again) == 1 and again[0] != stage.pid
+        with pytest.raises(SpawnError):
+            await forker.spawn("podgate.linux.vmm", [], str(log))
+    finally:
+        forker.close()

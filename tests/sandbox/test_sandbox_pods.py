@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from runtime_e2e_support import WAIT_SECONDS, Pods, read_all, wait_for_log
+from runtime_e2e_support import WAIT_SECONDS, Pods, RuntimeDaemon, read_all, wait_for_log
 from sandbox_support import (
     pod_info,
     port_forward,
@@ -87,6 +87,45 @@ async def test_containers_run_in_the_guest_not_in_the_reported_netns(
     for ref in refs(info).values():
         assert is_alive(ref)
     assert ns_inode(refs(info)["guest_ns_process"].pid, "pid") != ns_inode(os.getpid(), "pid")
+
+
+def _status(pid: int, key: str) -> list[str]:
+    with open(f"/proc/{pid}/status", encoding="ascii") as f:
+        return next(line for line in f if line.startswith(key + ":")).split()[1:]
+
+
+def _children(parent: int) -> set[int]:
+    found = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if int(_status(int(entry), "PPid")[0]) == parent:
+                    found.add(int(entry))
+            except (OSError, StopIteration):
+                continue
+    return found
+
+
+async def test_a_sandbox_is_a_forked_shim_its_forked_agent_and_a_sleeping_pid_one(
+    cri: pb_grpc.RuntimeServiceStub, pods: Pods, sandbox_runtime: RuntimeDaemon
+) -> None:
+    # Per sandboxed pod: the shim (forked from the helper forker's second stage, the muxer in
+    # it), the agent (the shim's only child, in the guest's network namespace) and the guest's
+    # PID 1 (holder and namespace process at once: no interpreter, an exec'd sleep).
+    pod = await run_pod(pods, "sb-procs")
+    await pods.create(pod, "sleep", ["sleep", "1000"])
+    found = refs(await pod_info(cri, pod))
+    shim, guest = found["sandbox_shim"], found["guest_ns_process"]
+    assert found["guest_holder"] == guest
+    assert _status(guest.pid, "NSpid")[-1] == "1"
+    with open(f"/proc/{guest.pid}/cmdline", "rb") as f:
+        assert os.path.basename(f.read().split(b"\0")[0]) == b"sleep"
+    with open(f"/proc/{shim.pid}/cmdline", "rb") as f:
+        assert b"podgate.linux.forker" in f.read()
+    agent = (await shim_stats(sandbox_runtime, pod)).agent_pid
+    assert _children(shim.pid) == {agent}
+    assert ns_inode(agent) == ns_inode(guest.pid) != ns_inode(shim.pid)
+    assert ns_inode(agent, "pid") == ns_inode(shim.pid, "pid")  # not a process of the pod's
 
 
 async def test_removing_the_pod_stops_the_shim_and_the_guest(

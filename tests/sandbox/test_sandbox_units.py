@@ -141,3 +141,31 @@ def test_backend_options() -> None:
     ]:
         with pytest.raises(ValueError, match=reason):
             parse_backend_options([bad])
+
+
+def test_the_sandbox_shims_own_argument_parsing(capsys: pytest.CaptureFixture[str]) -> None:
+    # Forked from a warm interpreter, the shim parses its arguments without argparse: the
+    # command line the runtime gives it, in both spellings, and the same refusals.
+    from podgate.runtime.sandbox import shim
+
+    args = shim._parse_args(
+        ["--dir", "/run/p", "--ready-file", "/run/p/r.json", "--hostname", "h", "--foreground"]
+    )
+    assert (args.dir, args.ready_file, args.hostname, args.adopt_guest) == (
+        "/run/p",
+        "/run/p/r.json",
+        "h",
+        "",
+    )
+    assert args.foreground and not args.verbose
+    args = shim._parse_args(["--dir=/run/p", "--adopt-guest=1:2:3:4", "-v"])
+    assert (args.ready_file, args.adopt_guest, args.verbose) == (
+        "/run/p/sandbox.json",
+        "1:2:3:4",
+        True,
+    )
+    for bad in ([], ["--dir"], ["--dir", "d", "--bogus"], ["d"], ["--hostname", "h"]):
+        with pytest.raises(ValueError):
+            shim._parse_args(bad)
+    assert shim.main(["--bogus"]) == 2
+    assert "usage: python -m podgate.runtime.sandbox.shim --dir DIR" in capsys.readouterr().err

@@ -225,9 +225,10 @@ def podgate_sandboxed_pod_pids(state: Path, sandbox: str, container: str) -> dic
         )
         if extra.get(key)
     ]
+    if extra.get("guest_holder") == extra.get("guest_ns_process"):  # one process, PID 1
+        roots = [(r if r == "sandbox shim" else "guest PID 1", p) for r, p in roots]
     for role, pid in roots:
-        if pid not in pids.values():  # the guest's holder may be its namespace process
-            pids.setdefault(role, pid)
+        pids.setdefault(role, pid)
     for _, pid in roots:
         for found in _descendants(pid):
             if found in excluded or found in pids.values():
@@ -307,12 +308,15 @@ def _runtimes(scratch: Path) -> Iterator[tuple[containerd_support.Containerd, Po
         daemon.stop()
 
 
-def run_podstart(pods: int, progress: Progress) -> dict[str, Any]:
-    """Start `pods` pods per runtime (alternating), measure, remove them; the section."""
+def run_podstart(pods: int, progress: Progress, sandboxed: int = 1) -> dict[str, Any]:
+    """Start `pods` pods per runtime (alternating), then `sandboxed` sandboxed pods on podgate,
+    measure, remove them; the section."""
     scratch = Path(tempfile.mkdtemp(prefix="pgp", dir="/tmp"))
     section: dict[str, Any] = {"pods": pods, "rows": [], "memory": {t: [] for t in TOOLS}}
+    section["sandboxed"] = []
+    more = f" --sandboxed-pods {sandboxed}" if sandboxed != 1 else ""
     section["command"] = (
-        f"python -m bench.podstart --pods {pods}  (RunPodSandbox + CreateContainer + "
+        f"python -m bench.podstart --pods {pods}{more}  (RunPodSandbox + CreateContainer + "
         "StartContainer until RUNNING, image "
         f"{containerd_support.IMAGE_NAME} in both)"
     )
@@ -330,18 +334,20 @@ def run_podstart(pods: int, progress: Progress) -> dict[str, Any]:
                         row |= {"tool": tool, "run": i}
                         section["rows"].append(row)
                         made[tool].append(row)
-                progress("podstart: one sandboxed pod: podgate")
-                row = start_pod(podgate_rt, "start-sandboxed", "", SANDBOX_HANDLER)
-                section["sandboxed"] = row
-                if row["sandbox"]:
-                    made["podgate"].append(row | {"sandboxed": True})
+                for i in range(sandboxed):
+                    progress(f"podstart: sandboxed pod {i + 1}/{sandboxed}: podgate")
+                    row = start_pod(podgate_rt, f"start-sandboxed-{i}", "", SANDBOX_HANDLER)
+                    row["sandboxed"] = True
+                    section["sandboxed"].append(row)
+                    if row["sandbox"]:
+                        made["podgate"].append(row)
                 progress("podstart: measuring PSS")
                 for row in made["podgate"]:
                     if row["error"] is None and row.get("sandboxed"):
                         pids = podgate_sandboxed_pod_pids(
                             daemon.state, row["sandbox"], row["container"]
                         )
-                        section["sandboxed"]["memory"] = _pss_sum(pids)
+                        row["memory"] = _pss_sum(pids)
                     elif row["error"] is None:
                         pids = podgate_pod_pids(daemon.state, row["sandbox"], row["container"])
                         section["memory"]["podgate"].append(_pss_sum(pids))
@@ -405,19 +411,24 @@ def summarize(section: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def summarize_sandboxed(section: dict[str, Any]) -> dict[str, Any] | None:
-    """The sandboxed pod against the median plain pod of the same daemon."""
-    row = section.get("sandboxed")
-    if row is None:
+    """The sandboxed pods (medians) against the median plain pod of the same daemon."""
+    rows = section.get("sandboxed") or []
+    if not rows:
         return None
     plain = next(s for s in section["summary"] if s["tool"] == "podgate")
-    memory = row.get("memory")
-    kib = memory["kib"] if memory else None
+    ok = [r for r in rows if r["error"] is None]
+    memory = [r["memory"] for r in ok if r.get("memory")]
+    kib = statistics.median(m["kib"] for m in memory) if memory else None
+    roles = sorted({role for m in memory for role in m["by_process"]})
     return {
-        "error": row["error"],
-        "seconds": row["seconds"] if row["error"] is None else None,
+        "pods": len(rows),
+        "error": next((r["error"] for r in rows if r["error"]), None),
+        "seconds": statistics.median(r["seconds"] for r in ok) if ok else None,
         "pss_kib": kib,
-        "processes": memory["pids"] if memory else None,
-        "by_process": memory["by_process"] if memory else {},
+        "processes": statistics.median(m["pids"] for m in memory) if memory else None,
+        "by_process": {
+            role: statistics.median(m["by_process"].get(role, 0) for m in memory) for role in roles
+        },
         "plain_pss_kib": plain["pss_kib"],
         "plain_p50": plain["p50"],
         "pss_ratio": kib / plain["pss_kib"] if kib and plain["pss_kib"] else None,
@@ -476,14 +487,17 @@ def tables(section: dict[str, Any]) -> SectionTables:
     sandboxed = section.get("sandboxed_summary")
     if sandboxed is not None:
         plain = next(s for s in section["summary"] if s["tool"] == "podgate")
+        count = sandboxed["pods"]
         out.append(
             (
-                "one sandboxed pod (runtime handler sandboxed, the agent backend) against a "
-                "plain pod, same daemon",
-                "plain: the median of the pods above (start: p50); sandboxed: one pod started "
-                "after them, same image and calls; its processes: the container's shim, the "
-                "sandbox shim, its muxer and agent, the guest holder (and the guest's namespace "
-                "process when it is another); the container's own process is not counted.",
+                f"{'one sandboxed pod' if count == 1 else f'{count} sandboxed pods'} (runtime "
+                "handler sandboxed, the agent backend) against a plain pod, same daemon",
+                "plain: the median of the pods above (start: p50); sandboxed: "
+                + ("one pod" if count == 1 else f"the median of {count} pods")
+                + " started after them, same image and calls; its processes: the container's "
+                "shim, the sandbox shim (the muxer runs in it) and its agent, the guest's PID 1 "
+                "(and the guest holder when it is another process); the container's own "
+                "process is not counted.",
                 SANDBOXED_HEADERS,
                 [
                     [
@@ -497,7 +511,7 @@ def tables(section: dict[str, Any]) -> SectionTables:
                         "sandboxed",
                         _ms(sandboxed["seconds"]),
                         _mib(sandboxed["pss_kib"]),
-                        "–" if sandboxed["processes"] is None else str(sandboxed["processes"]),
+                        "–" if sandboxed["processes"] is None else f"{sandboxed['processes']:g}",
                         _ratio(sandboxed["pss_ratio"]),
                     ],
                 ],
@@ -517,12 +531,14 @@ def _notes(section: dict[str, Any]) -> list[str]:
     if sandboxed is not None:
         if sandboxed["by_process"]:
             parts = ", ".join(f"{r} {kib / 1024:.1f}" for r, kib in sandboxed["by_process"].items())
-            notes.append(f"sandboxed pod PSS MiB per process: {parts}")
+            median = " (median)" if sandboxed["pods"] > 1 else ""
+            notes.append(f"sandboxed pod PSS MiB per process{median}: {parts}")
         if sandboxed["error"]:
             notes.append(f"sandboxed pod failed: {sandboxed['error']}")
     for role, kib in section.get("node", {}).items():
         sandboxed_only = role.endswith("sandbox forker")
-        pods = 1 if sandboxed_only else max(1, len(section["memory"]["podgate"]))
+        plain_pods = len(section["memory"]["podgate"])
+        pods = max(1, len(section["sandboxed"]) if sandboxed_only else plain_pods)
         kind = "sandboxed pod" if sandboxed_only else "pod"
         notes.append(
             f"{role} (one per node, not in PSS/pod): {kib / 1024:.1f} MiB, "
@@ -551,6 +567,12 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m bench.podstart", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--pods", type=int, default=DEFAULT_PODS)
+    parser.add_argument(
+        "--sandboxed-pods",
+        type=int,
+        default=1,
+        help="sandboxed pods started after the plain ones (default 1)",
+    )
     parser.add_argument("--json", type=Path, help="write the section as JSON here")
     args = parser.parse_args(argv)
     why = unavailable()
@@ -558,7 +580,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench.podstart: {why}", file=sys.stderr)
         return 2
     err = Console(stderr=True)
-    section = run_podstart(args.pods, lambda m: err.print(f"[dim]{m}[/dim]"))
+    section = run_podstart(
+        args.pods, lambda m: err.print(f"[dim]{m}[/dim]"), sandboxed=args.sandboxed_pods
+    )
     console = Console() if sys.stdout.isatty() else Console(width=REPORT_WIDTH)
     print_report(section, console)
     if args.json:

@@ -42,7 +42,7 @@ import sys
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, TextIO
 
 from google.protobuf.message import DecodeError
 
@@ -872,8 +872,8 @@ async def _run(args: _Args, holder: ProcessRef, ns_process: ProcessRef, agent_pi
     return 0
 
 
-def _setup_logging(verbose: bool) -> None:
-    handler = logging.StreamHandler(sys.stderr)
+def _setup_logging(verbose: bool, stream: TextIO = sys.stderr) -> None:
+    handler = logging.StreamHandler(stream)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
@@ -920,10 +920,11 @@ def warm(scratch: str) -> None:
     an agent and a muxer answering Health calls in `scratch`: the code they run is quickened and
     what they create lazily exists, in pages the shims and agents then share. Nothing stays
     running."""
-    _setup_logging(False)
-    logging.getLogger().handlers.clear()
-    with contextlib.suppress(TimeoutError, OSError, StreamError, TtrpcError):
-        asyncio.run(asyncio.wait_for(_warm_boot(Path(scratch)), WARM_TIMEOUT_SECONDS))
+    with open(os.devnull, "w", encoding="utf-8") as devnull:
+        _setup_logging(False, devnull)  # the lines of a boot formatted, and dropped
+        with contextlib.suppress(TimeoutError, OSError, StreamError, TtrpcError):
+            asyncio.run(asyncio.wait_for(_warm_boot(Path(scratch)), WARM_TIMEOUT_SECONDS))
+        logging.getLogger().handlers.clear()
     # Imported, not run: a libuv loop would leave at-fork handlers that close descriptors by
     # number in every process forked from here.
     with contextlib.suppress(ImportError):

@@ -20,7 +20,10 @@ The container's own process (`sleep`) is the workload and counted for neither. T
 the node's network on both sides (containerd has no CNI here), their own PID namespace per
 container and a pod IPC namespace. Everything is removed through CRI afterwards.
 
-    python -m bench.podstart --pods 20
+After them podgate starts sandboxed pods (runtime handler `sandboxed`: one, or
+`--sandboxed-pods N`), measured the same way against the median plain pod.
+
+    python -m bench.podstart --pods 20 [--sandboxed-pods N]
     python -m bench --podstart           # the same inside `make bench` (on by default as root)
 """
 

@@ -180,8 +180,9 @@ NOTE = (
     "Into a pod through `podgate runtime`. × in-netns = against a client inside the pod's "
     "netns in the same round (direct-in-guest for the sandboxed pod). CPU seconds per GB "
     "moved: runtime = the daemon process alone (it relays), client = the client process, "
-    "relay = socat with its forks and nsenter children, the sandbox shim with its in-guest "
-    "agent and muxer (agent-spdy), or the forwarder process in the container (exec-spdy)."
+    "relay = socat with its forks and nsenter children, the sandbox shim (with the muxer in "
+    "it) and its in-guest agent (agent-spdy), or the forwarder process in the container "
+    "(exec-spdy)."
 )
 CONN_HEADERS = ("backend", "conns", "p50 ms", "p99 ms", "conns/s", "errors")
 CONN_NOTE = (
@@ -389,7 +390,7 @@ class RuntimeBench:
             netns_pid = int(pod["pid"])
             if handler == SANDBOXED:
                 netns_pid = int(extra["guest_ns_pid"])
-                # The shim with its live children: the muxer and the in-guest agent.
+                # The shim (the muxer runs in it) with its live child, the in-guest agent.
                 watch["relay"] = int(extra["sandbox_shim"]["pid"])
                 self.pod_pids += [int(extra["sandbox_shim"]["pid"]), netns_pid]
             container_id = self.cri.start_container(

@@ -872,8 +872,8 @@ async def _run(args: _Args, holder: ProcessRef, ns_process: ProcessRef, agent_pi
     return 0
 
 
-def _setup_logging(verbose: bool, stream: TextIO = sys.stderr) -> None:
-    handler = logging.StreamHandler(stream)
+def _setup_logging(verbose: bool, stream: TextIO | None = None) -> None:
+    handler = logging.StreamHandler(stream or sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]

@@ -316,7 +316,9 @@ class Forker:
         async with self._lock:  # one request at a time on the one socket
             try:
                 reader, writer = await self._ensure_running()
-                async with asyncio.timeout(REQUEST_TIMEOUT):
+                # The first request for a module of the second stage starts the stage.
+                timeout = REQUEST_TIMEOUT if module in HELPERS else FORKER_START_TIMEOUT
+                async with asyncio.timeout(timeout):
                     writer.write(request + b"\n")
                     line = await reader.readline()
                 if not line:

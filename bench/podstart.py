@@ -211,8 +211,9 @@ def _helper_name(pid: int) -> str:
 
 def podgate_sandboxed_pod_pids(state: Path, sandbox: str, container: str) -> dict[str, int]:
     """A sandboxed pod's processes: the container's shim, the sandbox shim and what it runs
-    (muxer, agent), the guest holder and the guest's namespace process; not the container's
-    own processes."""
+    (the agent; a muxer of its own in older trees), the guest holder and the guest's namespace
+    process (one process, "guest PID 1", when they are the same); not the container's own
+    processes."""
     pod = json.loads((state / "pods" / f"{sandbox}.json").read_text())
     ctr = json.loads((state / "containers" / f"{container}.json").read_text())
     workload = ctr["process"]["pid"]

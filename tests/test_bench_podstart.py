@@ -48,12 +48,17 @@ def test_podstart_part_starts_pods_in_both_runtimes(tmp_path: Path) -> None:
         assert all(m["pids"] >= least and m["kib"] > 0 for m in memory), memory
         assert all(v > 0 for m in memory for v in m["by_process"].values()), memory
     # One sandboxed pod in the same daemon, measured beside the plain ones: its container's
-    # shim, the sandbox shim, muxer, agent and guest holder at least.
-    sandboxed = section["sandboxed"]
+    # shim, the sandbox shim (the muxer runs in it), its agent and the guest's PID 1 (holder
+    # and namespace process at once), counted once each.
+    [sandboxed] = section["sandboxed"]
     assert sandboxed["error"] is None, sandboxed
     roles = set(sandboxed["memory"]["by_process"])
-    assert {"container shim", "sandbox shim", "muxer", "agent", "guest holder"} <= roles, roles
+    assert roles == {"container shim", "sandbox shim", "agent", "guest PID 1"}, roles
+    assert sandboxed["memory"]["pids"] == 4
     assert all(v > 0 for v in sandboxed["memory"]["by_process"].values()), sandboxed
+    # The second stage of the helper forker, which forks the sandbox shims, is reported beside
+    # the pods (one per node).
+    assert set(section["node"]) == {"podgate helper forker", "podgate sandbox forker"}
     assert section["sandboxed_summary"]["pss_ratio"] > 0
     assert "pod start" in done.stdout
     assert "one sandboxed pod" in done.stdout

@@ -23,6 +23,8 @@ from podgate.aio.errors import BrokenStreamError
 from podgate.aio.splice import HALF_CLOSE_GRACE_SECONDS, SpliceResult, splice
 from podgate.aio.streams import ByteStream, SocketStream
 
+__all__ = ["PIPE_BYTES", "splice_sockets", "wait_ready"]
+
 # The pipe between the sockets: bytes moved per pair of splice calls. The kernel caps it at
 # /proc/sys/fs/pipe-max-size for unprivileged processes (1 MiB by default).
 PIPE_BYTES: Final = 1024 * 1024
@@ -38,7 +40,7 @@ def _pipe() -> tuple[int, int]:
     return r, w
 
 
-async def _ready(add: Callable[..., None], remove: Callable[[int], object], fd: int) -> None:
+async def wait_ready(add: Callable[..., None], remove: Callable[[int], object], fd: int) -> None:
     """Wait until `fd` is readable (add_reader) or writable (add_writer)."""
     waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
@@ -72,7 +74,7 @@ async def _pump(
                     try:
                         n = os.splice(src.fileno(), w, PIPE_BYTES, flags=_FLAGS)
                     except BlockingIOError:
-                        await _ready(loop.add_reader, loop.remove_reader, src.fileno())
+                        await wait_ready(loop.add_reader, loop.remove_reader, src.fileno())
                         continue
                     if n == 0:
                         break
@@ -81,7 +83,7 @@ async def _pump(
                         try:
                             left -= os.splice(r, dst.fileno(), left, flags=_FLAGS)
                         except BlockingIOError:
-                            await _ready(loop.add_writer, loop.remove_writer, dst.fileno())
+                            await wait_ready(loop.add_writer, loop.remove_writer, dst.fileno())
                     count(n)
             finally:
                 os.close(r)

@@ -59,14 +59,20 @@ async def receive_socket(channel: socket.socket) -> tuple[socket.socket, bytes]:
     loop = asyncio.get_running_loop()
     while True:
         try:
-            data, fds, flags, _ = socket.recv_fds(
-                channel, _FIRST_READ_BYTES, 1, socket.MSG_CMSG_CLOEXEC
+            # Not socket.recv_fds: it drops its flags argument (CPython 3.11), and the
+            # descriptor must arrive close-on-exec.
+            data, ancillary, flags, _ = channel.recvmsg(
+                _FIRST_READ_BYTES, socket.CMSG_SPACE(_FD_BYTES), socket.MSG_CMSG_CLOEXEC
             )
             break
         except BlockingIOError:
             await wait_ready(loop.add_reader, loop.remove_reader, channel.fileno())
         except OSError as exc:
             raise HandOverError(f"cannot receive the connection: {exc}") from exc
+    fds = array.array("i")
+    for level, kind, payload in ancillary:
+        if (level, kind) == (socket.SOL_SOCKET, socket.SCM_RIGHTS):
+            fds.frombytes(payload[: len(payload) - len(payload) % _FD_BYTES])
     received = [socket.socket(fileno=fd) for fd in fds]
     try:
         if flags & socket.MSG_CTRUNC or len(received) != 1 or not data.startswith(MARKER):

@@ -84,9 +84,6 @@ DEFAULT_LISTEN: Final = f"vsock://-1:{AGENT_VSOCK_PORT}"
 DEFAULT_HOST: Final = f"vsock://{vsock.VMADDR_CID_HOST}"
 # The host accepts the dial-back for 10 s (containerd PR #4814); trying longer is pointless.
 DIAL_BACK_TIMEOUT_SECONDS: Final = 10.0
-# The send buffer asked for a unix dial-back (the kernel doubles it for its bookkeeping).
-DIAL_BACK_SEND_BUFFER_BYTES: Final = 1024 * 1024
-_SO_SNDBUFFORCE: Final = getattr(socket, "SO_SNDBUFFORCE", 32)
 # On SIGTERM, how long forwards in progress may finish before they are cut.
 SHUTDOWN_GRACE_SECONDS: Final = 10.0
 _MAX_PORT: Final = 65535
@@ -200,7 +197,10 @@ class Agent:
         try:
             async with asyncio.timeout(self.dial_back_timeout):
                 back = await vsock.connect(self.host, request.vsock_port)
-                _widen_send_buffer(back)
+                sock = back.transport.get_extra_info("socket")
+                if sock is not None:
+                    # What the pod sends then reaches the host in bursts (hybrid vsock).
+                    vsock.widen_send_buffer(sock)
                 if request.nonce:
                     # First on the wire: the host pairs the connection by it.
                     try:
@@ -269,22 +269,6 @@ class Agent:
     async def aclose(self, grace: float = 0.0) -> None:
         """Let forwards in progress finish for `grace` seconds, then cut the rest."""
         await self._forwards.aclose(grace)
-
-
-def _widen_send_buffer(stream: SocketStream) -> None:
-    """A larger send buffer on a unix dial-back (hybrid vsock): the host then reads what the
-    pod sent in bursts of up to DIAL_BACK_SEND_BUFFER_BYTES per wake-up instead of
-    net.core.wmem_default (~200 KiB). AF_VSOCK keeps its own buffers."""
-    sock = stream.transport.get_extra_info("socket")
-    if sock is None or sock.family != socket.AF_UNIX:
-        return
-    # FORCE passes net.core.wmem_max (root in the guest); else as much as that allows.
-    for option in (_SO_SNDBUFFORCE, socket.SO_SNDBUF):
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, option, DIAL_BACK_SEND_BUFFER_BYTES)
-            return
-        except OSError:
-            continue
 
 
 def _udp_localhost(port: int) -> DatagramStream:

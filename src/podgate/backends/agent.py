@@ -26,6 +26,7 @@ from podgate.aio.errors import BrokenStreamError, ConnectError, ForwardError
 from podgate.aio.streams import DEFAULT_RECEIVE_BYTES, Buffer, ByteStream, SocketStream
 from podgate.aio.ttrpc import TtrpcClient, TtrpcClosedError
 from podgate.backends.base import BackendError, BackendUnavailableError
+from podgate.linux import vsock
 from podgate.model import PodRecord
 from podgate.proto.portforward import forward_error_message
 from podgate.proto.ttrpc import Code, TtrpcError
@@ -75,6 +76,8 @@ class AgentBackend:
         finally:
             listener.close()
             path.unlink(missing_ok=True)
+        # Uploads then reach the agent in bursts (its dial-back widens the other way).
+        vsock.widen_send_buffer(conn)
         stream = await SocketStream.from_socket(conn)
         generation = reply.agent_generation
         return _AgentStream(stream, pod, port, lambda: self._broken_since(pod, generation), pending)

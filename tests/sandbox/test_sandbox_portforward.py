@@ -114,7 +114,7 @@ async def test_8_concurrent_connections_are_handed_over_and_the_shim_holds_none(
         assert result.error == ""
     # The shim passed each agent connection to the runtime and kept no socket of any: seven
     # more connections, not one more socket in the shim (a copy would hold two each).
-    assert with_all == with_one
+    assert with_all <= with_one
     assert (during.connections_handed_over, during.connections_active) == (CONCURRENT, 0)
     # A listener lives while a call waits for its dial-back; a freed vsock port is reused.
     assert during.listeners_open == 0

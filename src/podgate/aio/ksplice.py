@@ -6,9 +6,10 @@ into the destination socket. With a ~1 MiB pipe this costs about what a C relay 
 (see the shared docs' performance notes); a 64 KiB pipe doubles it.
 
 One direction is the exception: from a unix socket into a TCP socket (the agent's dial-back
-into the pod's server), splicing measured 2-3x the CPU of a plain recv_into and send through
-a COPY_BYTES buffer, so that direction copies, in the same loop (bench/README.md, "The agent
-path against the netns path"). TCP into a unix socket, and TCP into TCP, splice.
+into the pod's server), splicing measured ~1.35x the CPU per GB of a plain recv_into and send
+through a COPY_BYTES buffer, at ~0.7x the throughput, so that direction copies, in the same
+loop (`python -m bench.relaymodes`; bench/README.md, "The agent path against the netns
+path"). TCP into a unix socket, and TCP into TCP, splice: there splicing is the cheaper.
 
 Streams that cannot be handed over (TLS, unsent bytes, already closed) fall back to the
 ByteStream copy of podgate.aio.splice, with the same results and EOF/grace semantics.

@@ -78,7 +78,11 @@ class AgentBackend:
             path.unlink(missing_ok=True)
         # Uploads then reach the agent in bursts (its dial-back widens the other way).
         vsock.widen_send_buffer(conn)
-        stream = await SocketStream.from_socket(conn)
+        try:
+            stream = await SocketStream.from_socket(conn)
+        except BaseException:
+            conn.close()  # cancelled or refused by the loop: not left open in this process
+            raise
         generation = reply.agent_generation
         return _AgentStream(stream, pod, port, lambda: self._broken_since(pod, generation), pending)
 

@@ -14,7 +14,8 @@ which has nothing but loopback), and moves the same byte-checked pattern along e
 One daemon serves three pods, one per port-forward backend (`--backend` chains per handler):
 
     netns   a plain pod (the runtime-* paths above): the daemon connects inside the pod's netns
-    agent   a `sandboxed` pod: daemon -> sandbox shim -> in-guest agent -> target
+    agent   a `sandboxed` pod: daemon -> in-guest agent -> target (the sandbox shim sets the
+            connection up and hands the agent's dial-back socket to the daemon)
             (direct-in-guest: client in the guest netns, the limit there; agent-spdy)
     exec    a plain pod of handler `bench-exec`, forced to exec: one forwarder process run in
             the container per connection (exec-spdy, at most EXEC_MAX_SIZE per run)
@@ -153,7 +154,7 @@ RUNTIME_PATHS: tuple[RuntimePath, ...] = (
     RuntimePath(
         "agent-spdy",
         "spdy",
-        "CRI PortForward: SPDY -> podgate runtime -> sandbox shim -> in-guest agent -> target",
+        "CRI PortForward: SPDY -> podgate runtime -> in-guest agent -> target (shim hands over)",
         handler=SANDBOXED,
         peer=GUEST_PEER,
     ),

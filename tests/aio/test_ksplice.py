@@ -1,6 +1,7 @@
-"""Kernel splice between two SocketStreams over real TCP and unix sockets: every byte both ways
-(sha256), bytes received before the hand-over first, EOF forwarded per direction, a reset ends
-both, and streams that cannot be handed over still relay through the copy."""
+"""Kernel splice between two SocketStreams over real TCP and unix sockets, and unix to TCP (the
+agent's case, copied through a buffer in that direction): every byte both ways (sha256), bytes
+received before the hand-over first, EOF forwarded per direction, a reset ends both, and
+streams that cannot be handed over still relay through the copy."""
 
 from __future__ import annotations
 
@@ -60,10 +61,13 @@ Relay = tuple[socket.socket, SocketStream, SocketStream, socket.socket]
 
 @contextlib.asynccontextmanager
 async def _relay(kind: str) -> AsyncIterator[Relay]:
-    """client -- a == relay == b -- server: the outer ends raw, the relayed ends streams."""
-    pair = _tcp_pair if kind == "tcp" else _unix_pair
-    client, a_sock = pair()
-    server, b_sock = pair()
+    """client -- a == relay == b -- server: the outer ends raw, the relayed ends streams.
+    `kind` is both sides' kind, or CLIENT_SIDE-SERVER_SIDE ("unix-tcp": a unix client, a TCP
+    server, as the agent relays; unix into TCP copies, TCP into unix splices)."""
+    pairs = {"tcp": _tcp_pair, "unix": _unix_pair}
+    client_kind, _, server_kind = kind.partition("-")
+    client, a_sock = pairs[client_kind]()
+    server, b_sock = pairs[server_kind or client_kind]()
     a = await SocketStream.from_socket(a_sock)
     b = await SocketStream.from_socket(b_sock)
     try:
@@ -75,7 +79,7 @@ async def _relay(kind: str) -> AsyncIterator[Relay]:
         server.close()
 
 
-@pytest.fixture(params=["tcp", "unix"])
+@pytest.fixture(params=["tcp", "unix", "unix-tcp", "tcp-unix"])
 async def relay(request: pytest.FixtureRequest) -> AsyncIterator[Relay]:
     async with _relay(request.param) as value:
         yield value

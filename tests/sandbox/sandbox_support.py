@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -29,6 +30,7 @@ from runtime_e2e_support import (
     POLL_SECONDS,
     READY_LINE,
     READY_TIMEOUT_SECONDS,
+    WAIT_SECONDS,
     Pod,
     Pods,
     RuntimeDaemon,
@@ -37,6 +39,8 @@ from runtime_e2e_support import (
     stream_target,
 )
 
+from podgate.aio import fdpass
+from podgate.aio.streams import ByteStream, SocketStream
 from podgate.aio.ttrpc import TtrpcClient
 from podgate.cri import api_pb2 as pb
 from podgate.cri import api_pb2_grpc as pb_grpc
@@ -180,6 +184,13 @@ async def echo_transfer(
     forwarded: ForwardedStream, total: int, *, chunk: int = TRANSFER_CHUNK
 ) -> Transfer:
     """Send `total` random bytes through an echo server while reading the echo; both hashed."""
+    transfer = await echo_stream(forwarded.data, total, chunk=chunk)
+    transfer.error = await forwarded.error()
+    return transfer
+
+
+async def echo_stream(stream: ByteStream, total: int, *, chunk: int = TRANSFER_CHUNK) -> Transfer:
+    """echo_transfer over any byte stream (no error stream: `error` stays empty)."""
     sent, received = hashlib.sha256(), hashlib.sha256()
     counts = [0, 0]
 
@@ -187,18 +198,60 @@ async def echo_transfer(
         for _ in range(total // chunk):
             data = os.urandom(chunk)
             sent.update(data)
-            await forwarded.data.send(data)
+            await stream.send(data)
             counts[0] += len(data)
-        await forwarded.data.send_eof()
+        await stream.send_eof()
 
     async def download() -> None:
-        while data := await forwarded.data.receive():
+        while data := await stream.receive():
             received.update(data)
             counts[1] += len(data)
 
     async with asyncio.timeout(TRANSFER_TIMEOUT_SECONDS), asyncio.TaskGroup() as group:
         group.create_task(upload())
         group.create_task(download())
-    return Transfer(
-        counts[0], counts[1], sent.hexdigest(), received.hexdigest(), await forwarded.error()
-    )
+    return Transfer(counts[0], counts[1], sent.hexdigest(), received.hexdigest(), "")
+
+
+async def shim_forward(
+    daemon: RuntimeDaemon, pod: Pod, port: int, *, hand_over: bool, protocol: str = ""
+) -> tuple[SocketStream, shim_pb2.PortForwardResponse]:
+    """One PortForward asked of the pod's shim directly, as containerd PR #4814's caller asks
+    (plus `hand_over`): listen on a unix socket, call, accept the shim's connection; when the
+    reply says handed over, the agent's socket passed over that connection."""
+    path = run_dir(daemon, pod) / f"t-{uuid.uuid4().hex[:8]}.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        listener.bind(str(path))
+        listener.listen(1)
+        listener.setblocking(False)
+        request = shim_pb2.PortForwardRequest(
+            id=pod.id, port=port, addr=f"unix://{path}", protocol=protocol, hand_over=hand_over
+        )
+        shim = str(run_dir(daemon, pod) / "shim.sock")
+        async with await TtrpcClient.connect_unix(shim) as client:
+            reply = shim_pb2.PortForwardResponse.FromString(
+                await client.call(
+                    "podgate.shim.v1.Shim", "PortForward", request.SerializeToString(), timeout=30
+                )
+            )
+        async with asyncio.timeout(WAIT_SECONDS):
+            conn, _ = await asyncio.get_running_loop().sock_accept(listener)
+            if reply.handed_over:
+                with conn as channel:
+                    channel.setblocking(False)
+                    conn, pending = await fdpass.receive_socket(channel)
+                assert pending == b""  # an echo server sends nothing first
+    finally:
+        listener.close()
+        path.unlink(missing_ok=True)
+    return await SocketStream.from_socket(conn), reply
+
+
+def socket_count(pid: int) -> int:
+    """How many sockets process `pid` has open."""
+    count = 0
+    for entry in os.scandir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):  # closed meanwhile
+            count += os.readlink(entry.path).startswith("socket:")
+    return count

@@ -4,7 +4,8 @@ connection: the shim pairs a dial-back only with the request whose nonce it pres
 The racer runs in the guest's namespaces (as the agent does: net, uts, ipc) and connects to
 the dial-back port over and over — with a guessed nonce, or with none — while users' port-forward
 connections go through the same pool. Every user connection must echo exactly what it sent,
-the racer must read nothing, and the shim must count and close every stray connection.
+the racer must read nothing, and the shim must count and close every stray connection it
+accepts.
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ async def test_a_guest_process_racing_the_dial_back_port_gets_nothing(
     await pods.server(pod, "echo", "echo", "127.0.0.1", ECHO_PORT)
     session = await port_forward(cri, pod, [ECHO_PORT])
     try:
-        # One connection held open keeps the pool's dial-back listener up the whole time.
+        # One connection held open through the whole race (handed over: the shim no longer
+        # holds it, and the pool's listener lives only while a call waits for its dial-back).
         held = await session.open(ECHO_PORT)
         await held.data.send(b"held")
         assert await held.data.receive() == b"held"
@@ -126,5 +128,7 @@ async def test_a_guest_process_racing_the_dial_back_port_gets_nothing(
     assert result["stolen"] == "", "the racer received a user's bytes"
     assert sent > 0 and wrong == 0
     stats = await shim_stats(sandbox_runtime, pod)
-    assert stats.stray_dial_backs >= result["attempts"]
+    # Every racer connection the shim accepted was counted and closed; the others were still
+    # queued when their listener closed (its last call was served), and the kernel reset them.
+    assert 0 < stats.stray_dial_backs <= result["attempts"]
     assert stats.agent_port_forwards == sent + 1

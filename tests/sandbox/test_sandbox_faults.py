@@ -24,7 +24,7 @@ from sandbox_support import (
 from podgate.aio.errors import StreamError
 from podgate.cri import api_pb2 as pb
 from podgate.cri import api_pb2_grpc as pb_grpc
-from podgate.linux.proc import is_alive, signal_process
+from podgate.linux.proc import is_alive, is_exiting, process_ref, signal_process
 from podgate.model import ProcessRef
 from podgate.streaming.client import ForwardedStream, PortForwardSession
 
@@ -134,9 +134,12 @@ async def test_a_kill_while_the_connection_is_idle_reads_as_an_error(
         forwarded = await session.open(ECHO_PORT)
         await forwarded.data.send(b"ping")
         assert await forwarded.data.receive() == b"ping"
+        agent = process_ref((await shim_stats(sandbox_runtime, pod)).agent_pid)
         if victim == "agent":
-            os.kill((await shim_stats(sandbox_runtime, pod)).agent_pid, signal.SIGKILL)
+            assert signal_process(agent, signal.SIGKILL)
         else:
+            # The shim handed the connection to the runtime and holds none of it: the shim's
+            # death reaches the connection because its agent dies with it (PDEATHSIG).
             assert signal_process(ref(await pod_info(cri, pod), "sandbox_shim"), signal.SIGKILL)
         async with asyncio.timeout(WAIT_SECONDS):
             with contextlib.suppress(StreamError):
@@ -144,6 +147,7 @@ async def test_a_kill_while_the_connection_is_idle_reads_as_an_error(
             error = await forwarded.error()
         prefix = f"error forwarding port {ECHO_PORT} to pod {pod.id}, uid {pod.uid}: "
         assert error.startswith(prefix + "the connection through the sandbox agent broke: "), error
+        assert is_exiting(agent)
     finally:
         await session.aclose()
 

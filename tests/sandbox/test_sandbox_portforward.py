@@ -13,16 +13,21 @@ import pytest
 from runtime_e2e_support import WAIT_SECONDS, Pod, Pods, RuntimeDaemon, read_all
 from sandbox_support import (
     MIB,
+    echo_stream,
     echo_transfer,
+    pod_info,
     port_forward,
     run_dir,
     run_pod,
     sandbox_daemon,
+    shim_forward,
     shim_stats,
+    socket_count,
 )
 
 from podgate.aio.errors import StreamError
 from podgate.cri import api_pb2_grpc as pb_grpc
+from podgate.model import ProcessRef
 from podgate.streaming.client import PortForwardSession
 
 pytestmark = [
@@ -36,6 +41,10 @@ BIG_TRANSFER = 256 * MIB
 CONCURRENT = 8
 CONCURRENT_TRANSFER = 16 * MIB
 SEQUENTIAL = 200
+HANDED_TRANSFER = 64 * MIB
+# Under the 128 KiB a single argument may have: the greeting travels in the server's argv.
+GREETING_BYTES = 96 * 1024
+GREETINGS = 20
 
 
 async def echo_once(session: PortForwardSession, port: int, payload: bytes) -> tuple[bytes, str]:
@@ -74,20 +83,27 @@ async def test_256_mib_to_a_loopback_only_server_in_the_guest(
     assert result.error == ""
     stats = await shim_stats(sandbox_runtime, pod)
     assert stats.agent_port_forwards == 1  # through the agent, not the exec fallback
+    assert stats.connections_handed_over == 1  # and with no copy in the shim
 
 
-async def test_8_concurrent_connections_share_one_dial_back_listener(
+async def test_8_concurrent_connections_are_handed_over_and_the_shim_holds_none(
     cri: pb_grpc.RuntimeServiceStub, pods: Pods, sandbox_runtime: RuntimeDaemon
 ) -> None:
     pod = await run_pod(pods, "sb-conc")
     await pods.server(pod, "echo", "echo", "127.0.0.1", ECHO_PORT)
+    shim = sandbox_shim(await pod_info(cri, pod))
     session = await port_forward(cri, pod, [ECHO_PORT])
     try:
         async with asyncio.timeout(WAIT_SECONDS):
-            streams = [await session.open(ECHO_PORT) for _ in range(CONCURRENT)]
-            for forwarded in streams:  # every one is connected end to end
+            streams = [await session.open(ECHO_PORT)]
+            await streams[0].data.send(b"ping")
+            assert await streams[0].data.receive() == b"ping"
+            with_one = socket_count(shim.pid)
+            streams += [await session.open(ECHO_PORT) for _ in range(CONCURRENT - 1)]
+            for forwarded in streams[1:]:  # every one is connected end to end
                 await forwarded.data.send(b"ping")
                 assert await forwarded.data.receive() == b"ping"
+            with_all = socket_count(shim.pid)
         during = await shim_stats(sandbox_runtime, pod)
         results = await asyncio.gather(*(echo_transfer(s, CONCURRENT_TRANSFER) for s in streams))
     finally:
@@ -96,11 +112,87 @@ async def test_8_concurrent_connections_share_one_dial_back_listener(
         assert result.received == CONCURRENT_TRANSFER
         assert result.received_sha256 == result.sent_sha256
         assert result.error == ""
-    # One (container, port): one listener, one vsock port, eight refs; one agent call each.
-    assert (during.listeners_open, during.connections_active) == (1, CONCURRENT)
-    assert (during.listeners_opened, during.vsock_ports_allocated) == (1, 1)
+    # The shim passed each agent connection to the runtime and kept no socket of any: seven
+    # more connections, not one more socket in the shim (a copy would hold two each).
+    assert with_all <= with_one
+    assert (during.connections_handed_over, during.connections_active) == (CONCURRENT, 0)
+    # A listener lives while a call waits for its dial-back; a freed vsock port is reused.
+    assert during.listeners_open == 0
+    assert during.vsock_ports_allocated == 1
     assert during.agent_port_forwards == CONCURRENT
     await wait_for_idle(sandbox_runtime, pod)
+
+
+async def test_a_connection_handed_over_carries_64_mib_each_way(
+    pods: Pods, sandbox_runtime: RuntimeDaemon
+) -> None:
+    pod = await run_pod(pods, "sb-handed")
+    await pods.server(pod, "echo", "echo", "127.0.0.1", ECHO_PORT)
+    stream, reply = await shim_forward(sandbox_runtime, pod, ECHO_PORT, hand_over=True)
+    try:
+        assert reply.handed_over
+        assert reply.agent_generation == 1
+        during = await shim_stats(sandbox_runtime, pod)
+        result = await echo_stream(stream, HANDED_TRANSFER)
+    finally:
+        await stream.aclose()
+    assert (result.sent, result.received) == (HANDED_TRANSFER, HANDED_TRANSFER)
+    assert result.received_sha256 == result.sent_sha256
+    assert (during.connections_handed_over, during.connections_active) == (1, 0)
+    await wait_for_idle(sandbox_runtime, pod)
+
+
+async def test_a_caller_that_asks_for_no_hand_over_gets_the_shims_copy(
+    pods: Pods, sandbox_runtime: RuntimeDaemon
+) -> None:
+    # containerd PR #4814's caller: the shim copies, and both connections share one listener.
+    pod = await run_pod(pods, "sb-copied")
+    await pods.server(pod, "echo", "echo", "127.0.0.1", ECHO_PORT)
+    opened = [await shim_forward(sandbox_runtime, pod, ECHO_PORT, hand_over=False)]
+    try:
+        opened.append(await shim_forward(sandbox_runtime, pod, ECHO_PORT, hand_over=False))
+        assert [reply.handed_over for _, reply in opened] == [False, False]
+        during = await shim_stats(sandbox_runtime, pod)
+        results = await asyncio.gather(
+            *(echo_stream(stream, CONCURRENT_TRANSFER) for stream, _ in opened)
+        )
+    finally:
+        for stream, _ in opened:
+            await stream.aclose()
+    for result in results:
+        assert result.received == CONCURRENT_TRANSFER
+        assert result.received_sha256 == result.sent_sha256
+    assert (during.listeners_open, during.connections_active) == (1, 2)
+    assert (during.listeners_opened, during.vsock_ports_allocated) == (1, 1)
+    assert during.connections_handed_over == 0
+    await wait_for_idle(sandbox_runtime, pod)
+
+
+async def test_a_greeting_sent_before_the_hand_over_arrives_whole(
+    cri: pb_grpc.RuntimeServiceStub, pods: Pods, sandbox_runtime: RuntimeDaemon
+) -> None:
+    # The server writes at once and closes: its bytes (and EOF) may reach the shim before it
+    # passes the connection on, and must still come first, in order.
+    greeting = os.urandom(GREETING_BYTES // 2).hex()
+    pod = await run_pod(pods, "sb-greet")
+    await pods.server(pod, "greet", "reply", "127.0.0.1", ECHO_PORT, reply=greeting)
+    session = await port_forward(cri, pod, [ECHO_PORT])
+    try:
+        async with asyncio.timeout(WAIT_SECONDS):
+            for _ in range(GREETINGS):
+                forwarded = await session.open(ECHO_PORT)
+                assert await read_all(forwarded.data) == greeting.encode()
+                assert await forwarded.error() == ""
+    finally:
+        await session.aclose()
+    stats = await shim_stats(sandbox_runtime, pod)
+    assert stats.connections_handed_over == GREETINGS
+
+
+def sandbox_shim(info: dict[str, object]) -> ProcessRef:
+    extra = info["extra"]
+    assert isinstance(extra, dict)
+    return ProcessRef(**extra["sandbox_shim"])
 
 
 async def wait_for_idle(daemon: RuntimeDaemon, pod: Pod) -> None:

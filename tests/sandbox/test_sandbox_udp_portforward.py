@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 from runtime_e2e_support import WAIT_SECONDS, Pod, Pods, RuntimeDaemon, stream_target, wait_for_log
-from sandbox_support import run_pod, sandbox_daemon, shim_stats
+from sandbox_support import run_pod, sandbox_daemon, shim_forward, shim_stats
 
 from podgate.aio.errors import StreamError
 from podgate.cri import api_pb2 as pb
@@ -67,31 +67,35 @@ async def test_10000_datagrams_to_a_loopback_only_udp_server_in_the_guest(
             host_socket.recv(65535)
     stats = await shim_stats(sandbox_runtime, pod)
     assert stats.agent_port_forwards == 1  # through the agent, not the exec fallback
+    assert stats.connections_handed_over == 1  # and with no copy in the shim
 
 
 async def test_udp_and_tcp_to_one_port_number_use_separate_dial_back_pools(
-    cri: pb_grpc.RuntimeServiceStub, pods: Pods, sandbox_runtime: RuntimeDaemon
+    pods: Pods, sandbox_runtime: RuntimeDaemon
 ) -> None:
+    # Asked of the shim directly without hand-over, so that it copies and each connection
+    # holds its pool while it lasts.
     pod = await run_pod(pods, "sb-mixed")
     await udp_echo(pods, pod, UDP_PORT)
     await pods.server(pod, "tcp-echo", "echo", "127.0.0.1", UDP_PORT)
-    session = await connect(cri, pod)
+    udp, _ = await shim_forward(sandbox_runtime, pod, UDP_PORT, hand_over=False, protocol="udp")
     try:
-        async with asyncio.timeout(WAIT_SECONDS):
-            udp = await session.open(UDP_PORT, "udp")
-            tcp = await session.open(UDP_PORT)
-            await tcp.data.send(b"tcp")
-            assert await tcp.data.receive() == b"tcp"
-            await udp.data.send(encode_datagram(b"udp"))
-            assert DatagramDecoder().feed(await udp.data.receive()) == [b"udp"]
-            during = await shim_stats(sandbox_runtime, pod)
-            await tcp.data.send_eof()
-            assert await tcp.data.receive() == b""
-            await udp.data.send_eof()
-            assert await udp.data.receive() == b""
-            assert (await udp.error(), await tcp.error()) == ("", "")
+        tcp, _ = await shim_forward(sandbox_runtime, pod, UDP_PORT, hand_over=False)
+        try:
+            async with asyncio.timeout(WAIT_SECONDS):
+                await tcp.send(b"tcp")
+                assert await tcp.receive() == b"tcp"
+                await udp.send(encode_datagram(b"udp"))
+                assert DatagramDecoder().feed(await udp.receive()) == [b"udp"]
+                during = await shim_stats(sandbox_runtime, pod)
+                await tcp.send_eof()
+                assert await tcp.receive() == b""
+                await udp.send_eof()
+                assert await udp.receive() == b""
+        finally:
+            await tcp.aclose()
     finally:
-        await session.aclose()
+        await udp.aclose()
     # (container, port, protocol) keys the pool: two listeners, two vsock ports.
     assert (during.listeners_open, during.connections_active) == (2, 2)
     assert during.vsock_ports_allocated >= 2

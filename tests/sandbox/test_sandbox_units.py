@@ -17,12 +17,14 @@ def test_port_forward_request_keeps_containerd_4814_numbering() -> None:
     # runtime-and-nri.md §2.1: id=1 string, port=2 int32, addr=3 string; reply Empty.
     t = FieldDescriptor
     descriptor = shim_pb2.PortForwardRequest.DESCRIPTOR
-    # protocol=4 is podgate's UDP extension; TCP requests leave it empty (encoded as before).
+    # protocol=4 (UDP) and hand_over=5 are podgate's extensions; a request that leaves them
+    # unset encodes as PR #4814's does, and a PR #4814 shim skips them (it then copies).
     assert {f.name: (f.number, f.type) for f in descriptor.fields} == {
         "id": (1, t.TYPE_STRING),
         "port": (2, t.TYPE_INT32),
         "addr": (3, t.TYPE_STRING),
         "protocol": (4, t.TYPE_STRING),
+        "hand_over": (5, t.TYPE_BOOL),
     }
     service = shim_pb2.DESCRIPTOR.services_by_name["Shim"]
     assert service.full_name == "podgate.shim.v1.Shim"
@@ -31,6 +33,7 @@ def test_port_forward_request_keeps_containerd_4814_numbering() -> None:
     # agent generation, and a bare reply encodes as an Empty does.
     assert method.output_type.full_name == "podgate.shim.v1.PortForwardResponse"
     assert shim_pb2.PortForwardResponse.FromString(b"").agent_generation == 0
+    assert not shim_pb2.PortForwardResponse.FromString(b"").handed_over  # an Empty: copied
     assert shim_pb2.PortForwardResponse().SerializeToString() == b""
     # The encoding of {id: "a", port: 8080, addr: "unix:///x"}, field by field.
     encoded = shim_pb2.PortForwardRequest(id="a", port=8080, addr="unix:///x").SerializeToString()
@@ -38,6 +41,9 @@ def test_port_forward_request_keeps_containerd_4814_numbering() -> None:
     # field 4 LEN (tag 0x22) "udp"
     udp = shim_pb2.PortForwardRequest(id="a", port=53, addr="u", protocol="udp")
     assert udp.SerializeToString() == b"\x0a\x01a" + b"\x10\x35" + b"\x1a\x01u" + b"\x22\x03udp"
+    # field 5 VARINT (tag 0x28) true
+    handed = shim_pb2.PortForwardRequest(id="a", port=53, addr="u", hand_over=True)
+    assert handed.SerializeToString() == b"\x0a\x01a" + b"\x10\x35" + b"\x1a\x01u" + b"\x28\x01"
 
 
 POD = PodRecord(id="p" * 64, metadata=PodMetadata("n", "ns"), state=PodState.READY, created_at=0)

@@ -197,6 +197,10 @@ class Agent:
         try:
             async with asyncio.timeout(self.dial_back_timeout):
                 back = await vsock.connect(self.host, request.vsock_port)
+                sock = back.transport.get_extra_info("socket")
+                if sock is not None:
+                    # What the pod sends then reaches the host in bursts (hybrid vsock).
+                    vsock.widen_send_buffer(sock)
                 if request.nonce:
                     # First on the wire: the host pairs the connection by it.
                     try:

@@ -438,14 +438,16 @@ class SocketStream(ByteStream):
             or self._protocol._error is not None
         )
 
-    def take_socket(self) -> tuple[socket.socket, bytes, bool]:
+    def take_socket(self, *, give_away: bool = False) -> tuple[socket.socket, bytes, bool]:
         """Hand the connection over to a kernel splice (podgate.aio.ksplice): reading stops
         for good; returns a duplicate of the socket, the bytes received and not yet read, and
-        whether EOF came already. Closing this stream still closes the connection."""
+        whether EOF came already. Closing this stream still closes the connection, unless
+        `give_away` (the socket goes to another owner, e.g. another process over SCM_RIGHTS):
+        then closing it only drops this stream's descriptor."""
         if not self.can_hand_over():
             raise ClosedStreamError("the connection cannot be handed over")
         protocol = self._protocol
-        self._handed_over = True
+        self._handed_over = not give_away
         protocol._reading_paused = True  # read() must never resume the transport
         self.transport.pause_reading()
         pending = b"".join(protocol._chunks)

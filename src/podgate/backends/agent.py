@@ -1,7 +1,10 @@
 """Port-forward through the pod's sandbox shim (containerd PR #4814's shim API): listen on a fresh
 unix socket, ask the shim to forward `port` to it, accept the one connection it dials back.
 
-The shim and its in-guest agent do the rest; this side never sees the guest. A shim that is not
+The shim is asked to hand the agent's connection over rather than copy it: the dial-back then
+carries the agent's socket (podgate.aio.fdpass) and the bytes go from here to the in-guest
+agent with no relay in the shim. A shim that copies instead is used as it is. Either way this
+side never sees the guest. A shim that is not
 running is started again once (through `restart`) before the backend reports it unavailable.
 UDP asks the same call for protocol "udp": the agent opens the UDP socket in the guest and the
 dial-back connection carries framed datagrams, which this side passes on as they are.
@@ -18,10 +21,12 @@ from typing import Final
 
 from google.protobuf.message import DecodeError
 
+from podgate.aio import fdpass
 from podgate.aio.errors import BrokenStreamError, ConnectError, ForwardError
 from podgate.aio.streams import DEFAULT_RECEIVE_BYTES, Buffer, ByteStream, SocketStream
 from podgate.aio.ttrpc import TtrpcClient, TtrpcClosedError
 from podgate.backends.base import BackendError, BackendUnavailableError
+from podgate.linux import vsock
 from podgate.model import PodRecord
 from podgate.proto.portforward import forward_error_message
 from podgate.proto.ttrpc import Code, TtrpcError
@@ -55,17 +60,31 @@ class AgentBackend:
             listener.bind(str(path))
             listener.listen(1)
             listener.setblocking(False)
-            generation = await self._port_forward(pod, port, f"unix://{path}", protocol)
+            reply = await self._port_forward(pod, port, f"unix://{path}", protocol)
             try:
                 async with asyncio.timeout(ACCEPT_TIMEOUT_SECONDS):
                     conn, _ = await asyncio.get_running_loop().sock_accept(listener)
+                    pending = b""
+                    if reply.handed_over:
+                        with conn as channel:
+                            channel.setblocking(False)
+                            conn, pending = await fdpass.receive_socket(channel)
             except TimeoutError:
                 raise BackendError(f"port forwarding timeout for sandbox {pod.id!r}") from None
+            except fdpass.HandOverError as exc:
+                raise BackendError(f"sandbox {pod.id!r}: {exc}") from exc
         finally:
             listener.close()
             path.unlink(missing_ok=True)
-        stream = await SocketStream.from_socket(conn)
-        return _AgentStream(stream, pod, port, lambda: self._broken_since(pod, generation))
+        # Uploads then reach the agent in bursts (its dial-back widens the other way).
+        vsock.widen_send_buffer(conn)
+        try:
+            stream = await SocketStream.from_socket(conn)
+        except BaseException:
+            conn.close()  # cancelled or refused by the loop: not left open in this process
+            raise
+        generation = reply.agent_generation
+        return _AgentStream(stream, pod, port, lambda: self._broken_since(pod, generation), pending)
 
     async def _broken_since(self, pod: PodRecord, generation: int) -> str | None:
         """Why a connection made under agent `generation` cannot have ended cleanly, if so.
@@ -88,10 +107,17 @@ class AgentBackend:
             return "the sandbox agent exited"
         return None
 
-    async def _port_forward(self, pod: PodRecord, port: int, addr: str, protocol: str) -> int:
-        # TCP requests stay byte for byte what containerd PR #4814 sends.
+    async def _port_forward(
+        self, pod: PodRecord, port: int, addr: str, protocol: str
+    ) -> shim_pb2.PortForwardResponse:
+        # containerd PR #4814's fields, plus podgate's: protocol (left empty for TCP) and
+        # hand_over, which a shim that does not know it ignores (it then copies).
         request = shim_pb2.PortForwardRequest(
-            id=pod.id, port=port, addr=addr, protocol="" if protocol == "tcp" else protocol
+            id=pod.id,
+            port=port,
+            addr=addr,
+            protocol="" if protocol == "tcp" else protocol,
+            hand_over=True,
         )
         for attempt in range(2):
             client = await self._client(pod)
@@ -103,9 +129,10 @@ class AgentBackend:
                     timeout=CALL_TIMEOUT_SECONDS,
                 )
                 try:
-                    return shim_pb2.PortForwardResponse.FromString(reply).agent_generation
+                    return shim_pb2.PortForwardResponse.FromString(reply)
                 except DecodeError:
-                    return 0  # not podgate's reply: EOF is taken as it comes
+                    # Not podgate's reply: a copied connection, EOF taken as it comes.
+                    return shim_pb2.PortForwardResponse()
             except TtrpcClosedError as exc:
                 # A connection to a shim that has since died: once more, on a new one.
                 self._clients.pop(pod.id, None)
@@ -165,11 +192,14 @@ class _AgentStream(ByteStream):
         pod: PodRecord,
         port: int,
         broken: Callable[[], Awaitable[str | None]],
+        pending: bytes = b"",
     ) -> None:
         self._inner = inner
         self._pod = pod
         self._port = port
         self._broken = broken
+        # Received by the shim before it passed the connection on: they come first.
+        self._pending = pending
 
     def _lost(self, exc: BrokenStreamError | str) -> ForwardError:
         reason = f"the connection through the sandbox agent broke: {exc}"
@@ -178,6 +208,9 @@ class _AgentStream(ByteStream):
         )
 
     async def receive(self, max_bytes: int = DEFAULT_RECEIVE_BYTES) -> bytes:
+        if self._pending:
+            data, self._pending = self._pending[:max_bytes], self._pending[max_bytes:]
+            return data
         try:
             data = await self._inner.receive(max_bytes)
         except BrokenStreamError as exc:

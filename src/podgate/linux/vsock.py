@@ -57,6 +57,7 @@ __all__ = [
     "parse_address",
     "parse_ok_reply",
     "vsock_available",
+    "widen_send_buffer",
 ]
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,11 @@ _ACCEPT_RETRY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, err
 
 _DIGITS = re.compile(r"[0-9]+")
 _KNOWN_FAMILIES = frozenset({socket.AF_INET, socket.AF_INET6, socket.AF_UNIX})
+# The send buffer both ends of a unix dial-back ask for (the kernel doubles it for its
+# bookkeeping). With net.core.wmem_default (~200 KiB) the relay in the agent woke for every
+# ~210 KiB; with this it takes bigger bursts: ~20% less of its CPU per GB (bench/README.md).
+UNIX_SEND_BUFFER_BYTES: Final = 1024 * 1024
+_SO_SNDBUFFORCE: Final = getattr(socket, "SO_SNDBUFFORCE", 32)
 _Handler = Callable[[SocketStream], Awaitable[None]]
 
 
@@ -222,6 +228,19 @@ async def _hybrid_connect(path: str, port: int, timeout: float) -> SocketStream:
 
 
 # ----------------------------------------------------------------------------- dialing
+
+
+def widen_send_buffer(sock: socket.socket, size: int = UNIX_SEND_BUFFER_BYTES) -> None:
+    """Ask for a `size` send buffer on a unix socket (past net.core.wmem_max when privileged,
+    else as far as it allows); other families keep theirs (AF_VSOCK has its own)."""
+    if sock.family != socket.AF_UNIX:
+        return
+    for option in (_SO_SNDBUFFORCE, socket.SO_SNDBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, option, size)
+            return
+        except OSError:
+            continue
 
 
 def _go_strerror(err: int) -> str:

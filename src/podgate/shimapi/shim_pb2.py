@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import empty_pb2 as google_dot_protobuf_dot_empty__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apodgate/shimapi/shim.proto\x12\x0fpodgate.shim.v1\x1a\x1bgoogle/protobuf/empty.proto\"N\n\x12PortForwardRequest\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\x05\x12\x0c\n\x04\x61\x64\x64r\x18\x03 \x01(\t\x12\x10\n\x08protocol\x18\x04 \x01(\t\"/\n\x13PortForwardResponse\x12\x18\n\x10\x61gent_generation\x18\x01 \x01(\x04\"\xdc\x01\n\rStatsResponse\x12\x1b\n\x13\x61gent_port_forwards\x18\x01 \x01(\x04\x12\x18\n\x10listeners_opened\x18\x02 \x01(\x04\x12\x16\n\x0elisteners_open\x18\x03 \x01(\r\x12\x1a\n\x12\x63onnections_active\x18\x04 \x01(\r\x12\x14\n\x0c\x61gent_starts\x18\x05 \x01(\x04\x12\x11\n\tagent_pid\x18\x06 \x01(\r\x12\x1d\n\x15vsock_ports_allocated\x18\x07 \x01(\r\x12\x18\n\x10stray_dial_backs\x18\x08 \x01(\x04\x32\xa1\x01\n\x04Shim\x12X\n\x0bPortForward\x12#.podgate.shim.v1.PortForwardRequest\x1a$.podgate.shim.v1.PortForwardResponse\x12?\n\x05Stats\x12\x16.google.protobuf.Empty\x1a\x1e.podgate.shim.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apodgate/shimapi/shim.proto\x12\x0fpodgate.shim.v1\x1a\x1bgoogle/protobuf/empty.proto\"a\n\x12PortForwardRequest\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\x05\x12\x0c\n\x04\x61\x64\x64r\x18\x03 \x01(\t\x12\x10\n\x08protocol\x18\x04 \x01(\t\x12\x11\n\thand_over\x18\x05 \x01(\x08\"D\n\x13PortForwardResponse\x12\x18\n\x10\x61gent_generation\x18\x01 \x01(\x04\x12\x13\n\x0bhanded_over\x18\x02 \x01(\x08\"\xfd\x01\n\rStatsResponse\x12\x1b\n\x13\x61gent_port_forwards\x18\x01 \x01(\x04\x12\x18\n\x10listeners_opened\x18\x02 \x01(\x04\x12\x16\n\x0elisteners_open\x18\x03 \x01(\r\x12\x1a\n\x12\x63onnections_active\x18\x04 \x01(\r\x12\x14\n\x0c\x61gent_starts\x18\x05 \x01(\x04\x12\x11\n\tagent_pid\x18\x06 \x01(\r\x12\x1d\n\x15vsock_ports_allocated\x18\x07 \x01(\r\x12\x18\n\x10stray_dial_backs\x18\x08 \x01(\x04\x12\x1f\n\x17\x63onnections_handed_over\x18\t \x01(\x04\x32\xa1\x01\n\x04Shim\x12X\n\x0bPortForward\x12#.podgate.shim.v1.PortForwardRequest\x1a$.podgate.shim.v1.PortForwardResponse\x12?\n\x05Stats\x12\x16.google.protobuf.Empty\x1a\x1e.podgate.shim.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,11 +33,11 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'podgate.shimapi.shim_pb2', 
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PORTFORWARDREQUEST']._serialized_start=76
-  _globals['_PORTFORWARDREQUEST']._serialized_end=154
-  _globals['_PORTFORWARDRESPONSE']._serialized_start=156
-  _globals['_PORTFORWARDRESPONSE']._serialized_end=203
-  _globals['_STATSRESPONSE']._serialized_start=206
-  _globals['_STATSRESPONSE']._serialized_end=426
-  _globals['_SHIM']._serialized_start=429
-  _globals['_SHIM']._serialized_end=590
+  _globals['_PORTFORWARDREQUEST']._serialized_end=173
+  _globals['_PORTFORWARDRESPONSE']._serialized_start=175
+  _globals['_PORTFORWARDRESPONSE']._serialized_end=243
+  _globals['_STATSRESPONSE']._serialized_start=246
+  _globals['_STATSRESPONSE']._serialized_end=499
+  _globals['_SHIM']._serialized_start=502
+  _globals['_SHIM']._serialized_end=663
 # @@protoc_insertion_point(module_scope)

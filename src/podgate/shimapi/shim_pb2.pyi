@@ -28,11 +28,17 @@ class PortForwardRequest(_message.Message):
     PORT_FIELD_NUMBER: _builtins.int
     ADDR_FIELD_NUMBER: _builtins.int
     PROTOCOL_FIELD_NUMBER: _builtins.int
+    HAND_OVER_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     port: _builtins.int
     addr: _builtins.str
     protocol: _builtins.str
     """"" or "tcp": a TCP connection; "udp": a UDP flow (podgate extension)."""
+    hand_over: _builtins.bool
+    """The caller takes the agent's connection itself (podgate extension): instead of copying,
+    the shim passes the connected socket over `addr` (SCM_RIGHTS, see podgate.aio.fdpass)
+    and is out of the data path. A shim that ignores it copies as PR #4814 says.
+    """
     def __init__(
         self,
         *,
@@ -40,10 +46,11 @@ class PortForwardRequest(_message.Message):
         port: _builtins.int = ...,
         addr: _builtins.str = ...,
         protocol: _builtins.str = ...,
+        hand_over: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["addr", b"addr", "id", b"id", "port", b"port", "protocol", b"protocol"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["addr", b"addr", "hand_over", b"hand_over", "id", b"id", "port", b"port", "protocol", b"protocol"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -54,19 +61,25 @@ class PortForwardResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     AGENT_GENERATION_FIELD_NUMBER: _builtins.int
+    HANDED_OVER_FIELD_NUMBER: _builtins.int
     agent_generation: _builtins.int
     """StatsResponse.agent_starts when the connection was made (0: not reported). The dial-back
     is a plain unix socket, where a peer that dies often reads as a clean end: a caller that
     sees EOF asks Stats, and an agent that has since exited or restarted means it broke.
     """
+    handed_over: _builtins.bool
+    """The connection on `addr` carries the agent's socket (hand_over was asked and done); unset,
+    the connection on `addr` is the forwarded one, copied by the shim.
+    """
     def __init__(
         self,
         *,
         agent_generation: _builtins.int = ...,
+        handed_over: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_generation", b"agent_generation"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_generation", b"agent_generation", "handed_over", b"handed_over"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -84,13 +97,14 @@ class StatsResponse(_message.Message):
     AGENT_PID_FIELD_NUMBER: _builtins.int
     VSOCK_PORTS_ALLOCATED_FIELD_NUMBER: _builtins.int
     STRAY_DIAL_BACKS_FIELD_NUMBER: _builtins.int
+    CONNECTIONS_HANDED_OVER_FIELD_NUMBER: _builtins.int
     agent_port_forwards: _builtins.int
     """PortForward calls made to the agent since the shim started."""
     listeners_opened: _builtins.int
     """Dial-back listeners (<dir>/v.sock_<P>) created, and how many are open now."""
     listeners_open: _builtins.int
     connections_active: _builtins.int
-    """Forwarded connections being copied now."""
+    """Forwarded connections being copied now (handed-over ones are not the shim's to count)."""
     agent_starts: _builtins.int
     """Times the agent was started, and its current host pid (0: none running, or exiting)."""
     agent_pid: _builtins.int
@@ -98,6 +112,8 @@ class StatsResponse(_message.Message):
     """Distinct dial-back ports handed out so far (freed ports are reused, lowest first)."""
     stray_dial_backs: _builtins.int
     """Connections to a dial-back port closed unpaired: no nonce, or one no request is waiting for."""
+    connections_handed_over: _builtins.int
+    """Agent connections passed to the caller (PortForwardRequest.hand_over) since the shim started."""
     def __init__(
         self,
         *,
@@ -109,10 +125,11 @@ class StatsResponse(_message.Message):
         agent_pid: _builtins.int = ...,
         vsock_ports_allocated: _builtins.int = ...,
         stray_dial_backs: _builtins.int = ...,
+        connections_handed_over: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_pid", b"agent_pid", "agent_port_forwards", b"agent_port_forwards", "agent_starts", b"agent_starts", "connections_active", b"connections_active", "listeners_open", b"listeners_open", "listeners_opened", b"listeners_opened", "stray_dial_backs", b"stray_dial_backs", "vsock_ports_allocated", b"vsock_ports_allocated"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_pid", b"agent_pid", "agent_port_forwards", b"agent_port_forwards", "agent_starts", b"agent_starts", "connections_active", b"connections_active", "connections_handed_over", b"connections_handed_over", "listeners_open", b"listeners_open", "listeners_opened", b"listeners_opened", "stray_dial_backs", b"stray_dial_backs", "vsock_ports_allocated", b"vsock_ports_allocated"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

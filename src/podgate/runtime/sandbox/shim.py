@@ -18,13 +18,17 @@ once), then:
 The agent dies with the shim (PR_SET_PDEATHSIG); the guest does not, so containers outlive a
 shim crash. When the agent exits, connections through it are aborted and it is started again.
 
-PortForward(id, port, addr, protocol): a dial-back listener DIR/v.sock_P is shared by every
-connection to the same (container, port, protocol) and closed when the last one ends (Kata PR
-#5979's pool, on hybrid vsock). It listens BEFORE the agent is asked to connect to the port and
-dial back to vsock port P; the agent's connection must arrive within 10 s; then the shim dials
-`addr` and copies. A UDP flow (protocol "udp") travels the same way as framed datagrams; the
-shim only checks that the agent's reply confirms UDP (an agent that predates the field would
-have connected TCP) and otherwise copies bytes as for TCP.
+PortForward(id, port, addr, protocol, hand_over): a dial-back listener DIR/v.sock_P is shared
+by every connection to the same (container, port, protocol) and closed when the last one ends
+(Kata PR #5979's pool, on hybrid vsock). It listens BEFORE the agent is asked to connect to the
+port and dial back to vsock port P; the agent's connection must arrive within 10 s; then the
+shim dials `addr` and copies. With hand_over (podgate's runtime asks for it) it passes the
+agent's connection over `addr` instead (podgate.aio.fdpass) and is done with it: the bytes go
+runtime → agent with no copy here, and the connection ends, for the pool, once passed. A shim
+killed outright takes its agent with it (PDEATHSIG), so a passed connection still breaks.
+A UDP flow (protocol "udp") travels the same way as framed datagrams; the shim only checks that
+the agent's reply confirms UDP (an agent that predates the field would have connected TCP) and
+otherwise passes or copies bytes as for TCP.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import sys
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
@@ -48,6 +53,7 @@ from google.protobuf.message import DecodeError
 
 from podgate.agent import agent as agent_mod
 from podgate.agent import agent_pb2
+from podgate.aio import fdpass
 from podgate.aio.errors import ConnectError, StreamError
 from podgate.aio.ksplice import splice_sockets
 from podgate.aio.loop import run
@@ -590,29 +596,57 @@ class SandboxShim:
             raise TtrpcError(Code.INVALID_ARGUMENT, f"addr {request.addr!r} is not unix://PATH")
         agent = await self._agent_client()
         pool = await self._acquire((request.id, request.port, protocol))
-        handed_over = False
+        response = shim_pb2.PortForwardResponse()
+        relayed = False
         arrival: _Arrival | None = None
         try:
             arrival = await self._ask_agent(agent, request, protocol, pool)
-            try:
-                runtime_side = await vsock.connect(addr)
-            except (ConnectError, OSError) as exc:
-                raise TtrpcError(
-                    Code.ABORTED, f"cannot dial back to {request.addr}: {exc}"
-                ) from exc
-            relay = _Relay(arrival.stream, runtime_side)
-            if not self._agent_up.is_set():
-                relay.abort()
-            self._spawn_task(self._run_relay(relay, arrival, pool), f"relay {request.port}")
-            handed_over = True
+            response.agent_generation = self.stats.agent_starts
+            if request.hand_over and arrival.stream.can_hand_over():
+                # An agent that has exited since leaves a socket at EOF: the caller's check
+                # at EOF (the generation above) reads that as broken.
+                await self._hand_over(arrival.stream, addr.path, request.addr)
+                response.handed_over = True
+            else:
+                try:
+                    runtime_side = await vsock.connect(addr)
+                except (ConnectError, OSError) as exc:
+                    raise TtrpcError(
+                        Code.ABORTED, f"cannot dial back to {request.addr}: {exc}"
+                    ) from exc
+                relay = _Relay(arrival.stream, runtime_side)
+                if not self._agent_up.is_set():
+                    relay.abort()
+                self._spawn_task(self._run_relay(relay, arrival, pool), f"relay {request.port}")
+                relayed = True
         finally:
-            if not handed_over:
+            if not relayed:
                 if arrival is not None:
-                    arrival.done.set()  # its listener closes it
+                    arrival.done.set()  # its listener closes it (our descriptor only, if passed)
                 self._release(pool)
-        return shim_pb2.PortForwardResponse(
-            agent_generation=self.stats.agent_starts
-        ).SerializeToString()
+        return response.SerializeToString()
+
+    async def _hand_over(self, agent_side: SocketStream, path: str, shown: str) -> None:
+        """Pass the agent's connection to the caller listening on `path`: the bytes then go
+        from the caller to the agent with no copy in this process."""
+        loop = asyncio.get_running_loop()
+        channel = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            channel.setblocking(False)
+            try:
+                await loop.sock_connect(channel, path)
+            except OSError as exc:
+                raise TtrpcError(Code.ABORTED, f"cannot dial back to {shown}: {exc}") from exc
+            sock, pending, _ = agent_side.take_socket(give_away=True)
+            try:
+                await fdpass.send_socket(channel, sock, pending)
+            except fdpass.HandOverError as exc:
+                raise TtrpcError(Code.ABORTED, f"cannot hand over to {shown}: {exc}") from exc
+            finally:
+                sock.close()
+        finally:
+            channel.close()
+        self.stats.connections_handed_over += 1
 
     async def _ask_agent(
         self,

@@ -395,7 +395,11 @@ class Runtime:
             await sandbox.stop_for_pod(pod)
             await self._release_pod_namespaces(pod)
         finally:
-            self.store.remove_run_path(pod.id)
+            try:
+                # The pod's files may be made by now: its /dev/shm mount goes with them.
+                self.oci.release_pod(pod, self.store.run_path(pod.id))
+            finally:
+                self.store.remove_run_path(pod.id)
 
     async def stop_pod(self, pod_id: str) -> None:
         try:

@@ -23,6 +23,8 @@ from runtime_e2e_support import (
     RuntimeDaemon,
     Sink,
     rpc_error,
+    running_daemon,
+    state_root,
     stream_target,
     unknown_id,
 )
@@ -265,3 +267,29 @@ async def test_a_pod_that_fails_to_start_leaves_nothing_behind(
         "the failed pod's processes are gone",
         timeout=PROCESS_EXIT_SECONDS,
     )
+
+
+async def test_a_pod_that_fails_after_its_files_are_made_leaves_no_mount(tmp_path: Path) -> None:
+    # podgate's CNI plugin (NRI) with no CNI binaries to run: RunPodSandbox fails at the network
+    # step, after the pod's namespaces and files (its /dev/shm tmpfs) exist. No binary runs,
+    # so no interface or address is made either.
+    empty, confs, plugins = tmp_path / "no-cni", tmp_path / "conf.d", tmp_path / "plugins"
+    for directory in (empty, confs, plugins):
+        directory.mkdir()
+    conf = {"state_dir": str(tmp_path / "cni"), "plugin_dirs": str(empty)}
+    (confs / "10-cni.conf").write_text(json.dumps(conf))
+    args = (
+        *("--network", "nri", "--nri-config-dir", str(confs)),
+        *("--nri-plugin-dir", str(plugins), "--nri-plugin", "cni"),
+    )
+    with state_root() as root, running_daemon(root, args) as daemon:
+        run_root = Store(daemon.state_dir).run_dir
+        before = sorted(run_root.iterdir())
+        async with daemon.connect() as cri:
+            error = await rpc_error(Pods(cri).run("no-network"))
+        assert error.code() != grpc.StatusCode.OK
+        assert "NRI RunPodSandbox failed" in (error.details() or ""), error.details()
+        with open("/proc/self/mountinfo") as mounts:
+            left = [f[4] for f in (line.split() for line in mounts) if str(run_root) in f[4]]
+        assert left == [], f"the failed pod left mounts behind: {left}"
+        assert sorted(run_root.iterdir()) == before, "a run directory was left behind"

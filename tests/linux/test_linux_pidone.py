@@ -1,5 +1,6 @@
-"""The sandbox guest's namespaces held by one exec'd `sleep` as PID 1 (podgate.linux.pidone):
-new namespaces set up, orphans reaped by the kernel, SIGTERM ignored and SIGKILL final."""
+"""The sandbox guest's namespaces held by one PID 1 (podgate.linux.pidone): the pause program in
+an empty root (or `sleep` in the node's), new namespaces set up, orphans reaped by the kernel,
+SIGTERM ignored and SIGKILL final."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -42,23 +44,35 @@ def _children(parent: int) -> list[int]:
     return found
 
 
-@pytest.fixture
-def guest() -> object:
-    ref = pidone.start("pidone-test")
+@pytest.fixture(params=["pause", "sleep"])
+def guest(request: pytest.FixtureRequest, tmp_path: Path) -> object:
+    """PID 1 in an empty root (the pause program), or `sleep` in the node's root."""
+    empty_root = str(tmp_path / "root") if request.param == "pause" else ""
+    if empty_root:
+        os.mkdir(empty_root)
+    ref = pidone.start("pidone-test", empty_root)
     yield ref
     signal_process(ref, signal.SIGKILL)
 
 
-async def test_pid_one_of_new_namespaces_runs_sleep_with_nothing_of_ours(
-    guest: ProcessRef,
+async def test_pid_one_of_new_namespaces_runs_with_nothing_of_ours(
+    guest: ProcessRef, request: pytest.FixtureRequest
 ) -> None:
     pid = guest.pid
     assert _status(pid, "NSpid")[-1] == "1"
     for kind in ("pid", "net", "uts", "ipc"):
         assert os.stat(f"/proc/{pid}/ns/{kind}").st_ino != os.stat(f"/proc/self/ns/{kind}").st_ino
     with open(f"/proc/{pid}/cmdline", "rb") as f:
-        argv = f.read().split(b"\0")
-    assert os.path.basename(argv[0]) == b"sleep"
+        program = os.path.basename(f.read().split(b"\0")[0]).decode()
+    assert program == request.node.callspec.params["guest"]
+    if program == "pause":
+        # What the pod's processes reach through /proc/1/root: an empty tmpfs, not the node.
+        assert os.listdir(f"/proc/{pid}/root") == []
+        assert os.stat(f"/proc/{pid}/root").st_dev != os.stat("/").st_dev
+        assert os.stat(f"/proc/{pid}/ns/mnt").st_ino != os.stat("/proc/self/ns/mnt").st_ino
+        with open(f"/proc/{pid}/smaps_rollup") as rollup:
+            pss_kib = next(int(line.split()[1]) for line in rollup if line.startswith("Pss:"))
+        assert pss_kib < 100, f"PID 1 maps {pss_kib} KiB"
     # Only stdio (sleep opens its locale files for a moment as it starts; a descriptor it
     # inherited would stay).
     for _ in range(int(WAIT / 0.05)):

@@ -106,12 +106,13 @@ def _children(parent: int) -> set[int]:
     return found
 
 
-async def test_a_sandbox_is_a_forked_shim_its_forked_agent_and_a_sleeping_pid_one(
+async def test_a_sandbox_is_a_forked_shim_its_forked_agent_and_a_pausing_pid_one(
     cri: pb_grpc.RuntimeServiceStub, pods: Pods, sandbox_runtime: RuntimeDaemon
 ) -> None:
     # Per sandboxed pod: the shim (forked from the helper forker's second stage, the muxer in
     # it), the agent (the shim's only child, in the guest's network namespace) and the guest's
-    # PID 1 (holder and namespace process at once: no interpreter, an exec'd sleep).
+    # PID 1 (holder and namespace process at once: no interpreter, podgate's pause program in
+    # an empty root, so the pod's processes reach nothing of the node through /proc/1/root).
     pod = await run_pod(pods, "sb-procs")
     await pods.create(pod, "sleep", ["sleep", "1000"])
     found = refs(await pod_info(cri, pod))
@@ -119,7 +120,8 @@ async def test_a_sandbox_is_a_forked_shim_its_forked_agent_and_a_sleeping_pid_on
     assert found["guest_holder"] == guest
     assert _status(guest.pid, "NSpid")[-1] == "1"
     with open(f"/proc/{guest.pid}/cmdline", "rb") as f:
-        assert os.path.basename(f.read().split(b"\0")[0]) == b"sleep"
+        assert f.read().split(b"\0")[0] == b"pause"
+    assert os.listdir(f"/proc/{guest.pid}/root") == []
     with open(f"/proc/{shim.pid}/cmdline", "rb") as f:
         assert b"podgate.linux.forker" in f.read()
     agent = (await shim_stats(sandbox_runtime, pod)).agent_pid

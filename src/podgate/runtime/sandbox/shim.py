@@ -861,7 +861,9 @@ def _guest(args: _Args) -> tuple[ProcessRef, ProcessRef, bool]:
             raise ShimStartError("the sandbox's guest is gone; nothing to adopt")
         return holder, ns_process, False
     try:
-        pid_one = pidone.start(args.hostname)
+        empty_root = os.path.join(args.dir, "guest-root")
+        os.makedirs(empty_root, mode=0o755, exist_ok=True)
+        pid_one = pidone.start(args.hostname, empty_root)
     except OSError as exc:
         raise ShimStartError(f"the guest did not start: {exc}") from exc
     return pid_one, pid_one, True

@@ -23,8 +23,7 @@ from podgate.aio.tasks import cancel_and_wait
 
 KIB = 1024
 MIB = 1024 * KIB
-# The test's budget: 16 receivers and 16 senders, busy, of 64 KiB each; one transfer (its
-# sender and its receiver) gets the ceiling.
+# The test's budget: 16 busy receivers of 128 KiB each; one alone gets the ceiling (1 MiB).
 TOTAL = 2 * MIB
 CONNECTIONS = 16
 PUSH = 8 * MIB  # what each sender tries to send: far more than any buffer
@@ -68,10 +67,10 @@ async def test_busy_connections_together_stay_within_the_process_budget(
     tasks: list[asyncio.Task[None]] = []
     try:
         # Every connection holds a byte first: all 16 count as busy before the flood.
-        for sender, receiver in pairs:
+        for sender, _ in pairs:
             await sender.send(b"x")
         async with asyncio.timeout(HANG_GUARD_SECONDS):
-            while sum(held(r) for _, r in pairs) < CONNECTIONS:
+            while sum(held(r) for _, r in pairs) < CONNECTIONS:  # noqa: ASYNC110 - no event
                 await asyncio.sleep(0.01)
         assert small_budget.busy == CONNECTIONS
         share = small_budget.share()
@@ -83,8 +82,6 @@ async def test_busy_connections_together_stay_within_the_process_budget(
         print(f"{CONNECTIONS} connections hold {total / MIB:.2f} MiB, at most {most} bytes each")
         assert most <= 2 * share
         assert total <= 2 * TOTAL
-        # The senders, stalled too, count: the share went down to the floor meanwhile.
-        assert small_budget.share() == 64 * KIB
         # Backpressure, not loss: everything arrives once read.
         async with asyncio.timeout(HANG_GUARD_SECONDS):
             for _, receiver in pairs:
@@ -104,8 +101,7 @@ async def test_busy_connections_together_stay_within_the_process_budget(
 
 async def test_a_lone_connection_keeps_its_full_buffers(small_budget: ConnectionBudget) -> None:
     """Alone it may hold the ceiling (1 MiB) and read DEFAULT_RECEIVE_BYTES at once: one
-    transfer (its stalled sender counts as busy too) keeps the throughput the fixed marks
-    gave it."""
+    transfer keeps the buffers the fixed marks gave it."""
     sender, receiver = await stream_pair()
     task = asyncio.create_task(push(sender, PUSH))
     try:
@@ -148,23 +144,3 @@ async def test_a_never_reading_peer_does_not_stall_another_connection(
         for a, b in [*stalled, (sender, receiver)]:
             await a.aclose()
             await b.aclose()
-
-
-async def test_the_write_mark_follows_the_share(small_budget: ConnectionBudget) -> None:
-    """A writer's high-water mark is its share (rounded down to a power of two): with many
-    busy connections a stalled peer leaves 128 KiB queued in our transport, not 1 MiB."""
-    pairs = [await stream_pair() for _ in range(CONNECTIONS)]
-    try:
-        for sender, _ in pairs:
-            await sender.send(b"x")
-        async with asyncio.timeout(HANG_GUARD_SECONDS):
-            while small_budget.busy < CONNECTIONS:
-                await asyncio.sleep(0.01)
-        assert small_budget.share() == 128 * KIB
-        sender = pairs[0][0]
-        sender.write(b"y")  # the mark is set from the share as it writes
-        assert sender.transport.get_write_buffer_limits() == (32 * KIB, 128 * KIB)
-    finally:
-        for sender, receiver in pairs:
-            await sender.aclose()
-            await receiver.aclose()

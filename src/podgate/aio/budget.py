@@ -1,13 +1,13 @@
-"""One budget for the bytes a process buffers on behalf of its connections.
+"""One budget for the bytes a process holds received on behalf of its connections.
 
-A connection buffers received bytes before it stops reading its socket, and queues bytes to
-send before its writers wait. With fixed marks per connection (1 MiB each way) memory grows
-with the number of busy connections: 64 busy port-forwards held 3–5 MB each. Instead the
-connections of one event loop that hold bytes share one total: each may hold total / busy,
-between a floor (reads still large enough to be cheap per byte) and a ceiling (what one lone
-transfer needs for its throughput). Only backpressure: a connection over its share stops
-reading its socket or makes its writers wait; nothing is dropped, and one that never drains
-holds at most its share, so the others go on.
+A connection buffers received bytes before it stops reading its socket. With a fixed mark per
+connection (1 MiB, read 256 KiB at a time) memory grew with the number of busy connections.
+Instead the connections of one event loop that hold received bytes share one total: each may
+hold total / busy, and read that much at once, between a floor (reads still large enough to be
+cheap per byte: 64 KiB reads cost a third of the soak's throughput) and a ceiling (what one
+lone transfer needs). Only backpressure: a connection over its share stops reading its socket
+(its peer meets TCP backpressure); nothing is dropped, and one whose reader never reads holds
+at most its share and one read, so the others go on.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from __future__ import annotations
 import asyncio
 import weakref
 
-# Bytes all busy connections of a process may buffer together, each way.
-PROCESS_CONNECTION_BYTES = 4 * 1024 * 1024
+# Received bytes all busy connections of a process may buffer together.
+PROCESS_CONNECTION_BYTES = 16 * 1024 * 1024
 # Least a busy connection may buffer, however many share the budget.
-MIN_SHARE_BYTES = 64 * 1024
+MIN_SHARE_BYTES = 128 * 1024
 # Most one connection may buffer, however few are busy (a lone transfer's full buffers).
 MAX_SHARE_BYTES = 1024 * 1024
 

@@ -79,7 +79,7 @@ MAX_QUEUED_BYTES_PER_SESSION = 8 * MAX_QUEUED_BYTES_PER_STREAM
 # gateway) may hold unread together. Over it, a session holding more than PROCESS_SHARE_BYTES
 # parks its read loop until the total drops; one holding less reads on, so sessions stalled on
 # one never-reading pod cannot stop everyone else's (each keeps at most its share).
-MAX_QUEUED_BYTES_PER_PROCESS = 4 * 1024 * 1024
+MAX_QUEUED_BYTES_PER_PROCESS = 16 * 1024 * 1024
 PROCESS_SHARE_BYTES = 256 * 1024
 # With flow control, window is handed back once the application has read this fraction
 # (1/N) of it: few WINDOW_UPDATE frames, yet a reader that keeps up never lets the sender stall.

@@ -37,12 +37,12 @@ log = logging.getLogger(__name__)
 
 # Largest chunk handed out by one receive(): bigger reads cost fewer wake-ups per byte.
 DEFAULT_RECEIVE_BYTES = 256 * 1024
-# Bytes a connection may hold unread before its transport stops reading (TCP backpressure), and
-# may queue to send before its writers wait: its share of the process's budget
-# (podgate.aio.budget), 64 KiB–1 MiB. A socket read is at most that share too.
-# Encrypted bytes a TLS connection reads ahead while we do not take its plaintext (the
-# transport's default is 256 KiB on top of our share).
-TLS_READ_AHEAD_BYTES = 16 * 1024
+# What a connection may hold unread before its transport stops reading (TCP backpressure), and
+# reads at once, is its share of the process's budget (podgate.aio.budget), not a fixed mark.
+# Bytes the kernel send path may queue in the transport before writers wait. (A share of the
+# budget here too cost 12 % of the soak's throughput at 64 forwards and did not lower its peak.)
+SEND_HIGH_WATER = 1024 * 1024
+SEND_LOW_WATER = 256 * 1024
 # How long aclose() lets the transport flush what completed sends left queued before it
 # aborts: a peer that stopped reading must not keep the socket (and its buffer) forever.
 CLOSE_FLUSH_SECONDS = 2.0
@@ -148,7 +148,6 @@ class _StreamProtocol(asyncio.BufferedProtocol):
         self._scratch = _scratch(loop)
         self._busy = False  # counted in the budget's busy connections
         self._finished = False  # the connection is lost or closed: never busy again
-        self._write_high = 0  # the write high-water mark last given to the transport
         self.transport: asyncio.Transport | None = None
         self._chunks: collections.deque[bytes] = collections.deque()
         self._buffered = 0
@@ -167,28 +166,17 @@ class _StreamProtocol(asyncio.BufferedProtocol):
 
     # -- the process budget
     def _update_busy(self) -> None:
-        """Count this connection among the busy ones while it holds bytes either way."""
-        busy = not self._finished and (self._buffered > 0 or self._writing_paused)
+        """Count this connection among the busy ones while it holds received bytes."""
+        busy = not self._finished and self._buffered > 0
         if busy != self._busy:
             self._busy = busy
             self._budget.busy += 1 if busy else -1
-
-    def apply_write_share(self) -> None:
-        """Give the transport our share as its write high-water mark (rounded down to a power
-        of two, so that it changes seldom)."""
-        high = 1 << (self._budget.share().bit_length() - 1)
-        if high != self._write_high and self.transport is not None:
-            self._write_high = high
-            self.transport.set_write_buffer_limits(high, high // 4)
 
     # -- asyncio callbacks
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement asyncio.Transport without subclassing it.
         self.transport = cast(asyncio.Transport, transport)
-        self.apply_write_share()
-        set_read_limits = getattr(transport, "set_read_buffer_limits", None)
-        if set_read_limits is not None:  # TLS: the encrypted bytes it reads ahead
-            set_read_limits(TLS_READ_AHEAD_BYTES, TLS_READ_AHEAD_BYTES // 4)
+        self.transport.set_write_buffer_limits(SEND_HIGH_WATER, SEND_LOW_WATER)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         size = min(len(self._scratch), self._budget.share())
@@ -228,11 +216,9 @@ class _StreamProtocol(asyncio.BufferedProtocol):
 
     def pause_writing(self) -> None:
         self._writing_paused = True
-        self._update_busy()
 
     def resume_writing(self) -> None:
         self._writing_paused = False
-        self._update_busy()
         self._wake_writers()
 
     # -- helpers for SocketStream
@@ -457,7 +443,6 @@ class SocketStream(ByteStream):
             raise ClosedStreamError("write after EOF or close")
         if self.transport.is_closing():
             raise BrokenStreamError("connection lost")
-        self._protocol.apply_write_share()
         self.transport.write(data)
 
     def writelines(self, data: Iterable[Buffer]) -> None:
@@ -465,7 +450,6 @@ class SocketStream(ByteStream):
             raise ClosedStreamError("write after EOF or close")
         if self.transport.is_closing():
             raise BrokenStreamError("connection lost")
-        self._protocol.apply_write_share()
         self.transport.writelines(data)
 
     async def drain(self) -> None:

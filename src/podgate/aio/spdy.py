@@ -23,6 +23,7 @@ import weakref
 from collections.abc import Callable, Mapping
 
 from podgate.aio import heap
+from podgate.aio.budget import connection_budget
 from podgate.aio.errors import (
     BrokenStreamError,
     ClosedStreamError,
@@ -246,7 +247,9 @@ class SpdyStream(ByteStream):
         if len(chunk) > max_bytes:
             self._chunks.appendleft(chunk[max_bytes:])
             chunk = chunk[:max_bytes]
-        elif self._chunks and len(chunk) + len(self._chunks[0]) <= max_bytes:
+        elif self._chunks and len(chunk) + len(self._chunks[0]) <= (
+            max_bytes := min(max_bytes, self.session._budget.share())
+        ):
             # Go peers send 32 KiB frames: hand several on at once, so the next hop makes
             # one large write instead of one per frame.
             parts = [chunk]
@@ -502,6 +505,7 @@ class SpdySession:
         self._last_read = self._loop.time()  # the last read on any stream
         self._over_since = self._last_read  # when _queued last went over the budget
         self._control_budget = control_budget or ControlBudget()
+        self._budget = connection_budget(self._loop)  # caps how far small frames are joined
         # Without flow control the queues count toward the process's budget (until teardown).
         self._process: _ProcessQueue | None = (
             None if self._update_threshold else _process_queue(self._loop)

@@ -38,7 +38,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Final
 
-from podgate.linux.proc import SpawnError, helper_env, log_tail, spawn_detached
+from podgate.linux.proc import SpawnError, fork_call, helper_env, log_tail, spawn_detached
 
 # asyncio and logging are the daemon side's (Forker), imported where used: the forker process
 # imports this module, and what it imports is in every helper it forks.
@@ -82,23 +82,13 @@ def _grandchild(module: str, args: list[str], log_file: str) -> int:
 
 def _fork_helper(module: str, args: list[str], log_file: str) -> int:
     """Fork, setsid, fork again; the first child's exit status (0 once the helper is forked)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.setsid()
-            if os.fork() == 0:
-                try:
-                    code = _grandchild(module, args, log_file)
-                finally:
-                    with contextlib.suppress(Exception):
-                        sys.stderr.flush()
-                    os._exit(code)
-            code = 0
-        finally:
-            os._exit(code)
+
+    def first_child() -> int:
+        os.setsid()
+        fork_call(lambda: _grandchild(module, args, log_file), "forked helper")
+        return 0
+
+    pid = fork_call(first_child, "forker")
     _, status = os.waitpid(pid, 0)
     return os.waitstatus_to_exitcode(status)
 
@@ -130,21 +120,13 @@ class _Stage:
 
     def _start(self) -> socket.socket:
         ours, theirs = socket.socketpair()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                ours.close()
-                self._upstream.close()
-                code = _run_stage(theirs, sorted(self.modules))
-            except BaseException as exc:
-                print(f"forker: the second stage failed: {exc!r}", file=sys.stderr)
-            finally:
-                with contextlib.suppress(Exception):
-                    sys.stderr.flush()
-                os._exit(code)
+
+        def stage() -> int:
+            ours.close()
+            self._upstream.close()
+            return _run_stage(theirs, sorted(self.modules))
+
+        pid = fork_call(stage, "forker: the second stage failed")
         theirs.close()
         self._conn, self._pid = ours, pid
         if _read_line(ours) != _READY:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Final, TypeAlias
@@ -20,6 +22,7 @@ __all__ = [
     "Spawn",
     "SpawnError",
     "atomic_write_json",
+    "fork_call",
     "helper_env",
     "is_alive",
     "log_tail",
@@ -47,6 +50,26 @@ _STARTTIME_FIELD: Final = 22
 _PF_EXITING: Final = 0x4
 # States of a process that has exited (zombie) or is being torn down (dead).
 _GONE_STATES: Final = frozenset({"Z", "X", "x"})
+
+
+def fork_call(child: Callable[[], int], what: str) -> int:
+    """Fork; the child runs `child()` and exits with what it returns, never returning into the
+    caller's code (1, with `what` and the error on stderr, if it raises). The child's pid."""
+    sys.stdout.flush()
+    sys.stderr.flush()  # what the parent buffered must not be written twice
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        code = child()
+    except BaseException as exc:
+        with contextlib.suppress(Exception):
+            print(f"{what}: {exc!r}", file=sys.stderr)
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
+        os._exit(code)
 
 
 def _stat_fields(pid: int) -> list[bytes]:

@@ -64,6 +64,7 @@ from podgate.aio.ttrpc import RequestContext, TtrpcClient, TtrpcClosedError, Ttr
 from podgate.linux import ns, pidone, vsock
 from podgate.linux.proc import (
     atomic_write_json,
+    fork_call,
     is_alive,
     is_exiting,
     process_ref,
@@ -187,20 +188,11 @@ def fork_agent(run_dir: Path, guest_ns_pid: int) -> int:
     listen = f"unix://{run_dir / 'guest.vsock'}_{AGENT_VSOCK_PORT}"
     host = f"hvsock://{run_dir / 'v.sock'}"
     shim_pid = os.getpid()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            code = _agent_child(shim_pid, str(run_dir / "agent.log"), guest_ns_pid, listen, host)
-        except BaseException as exc:  # nothing may return into the shim's event loop
-            with contextlib.suppress(Exception):
-                print(f"sandbox agent: {exc!r}", file=sys.stderr)
-        finally:
-            with contextlib.suppress(Exception):
-                sys.stderr.flush()
-            os._exit(code)
-    return pid
+    # Nothing of the child may return into the shim's event loop: fork_call exits it.
+    return fork_call(
+        lambda: _agent_child(shim_pid, str(run_dir / "agent.log"), guest_ns_pid, listen, host),
+        "sandbox agent",
+    )
 
 
 def _agent_child(shim_pid: int, log_file: str, guest_ns_pid: int, listen: str, host: str) -> int:

@@ -59,7 +59,7 @@ from podgate.aio.ksplice import splice_sockets
 from podgate.aio.loop import run
 from podgate.aio.splice import splice
 from podgate.aio.streams import DEFAULT_RECEIVE_BYTES, Buffer, ByteStream, SocketStream
-from podgate.aio.tasks import TaskSet
+from podgate.aio.tasks import TaskSet, cancel_and_wait
 from podgate.aio.ttrpc import RequestContext, TtrpcClient, TtrpcClosedError, TtrpcServer
 from podgate.linux import ns, pidone, vsock
 from podgate.linux.proc import (
@@ -920,10 +920,11 @@ def _setup_logging(verbose: bool, stream: TextIO | None = None) -> None:
 async def _warm_boot(scratch: Path) -> None:
     """An agent, a muxer and Health calls through them, in `scratch`."""
     device = vsock.parse_address(f"hvsock://{scratch / 'v.sock'}")
-    agent = asyncio.ensure_future(
+    agent = asyncio.create_task(
         agent_mod.serve(
             vsock.parse_address(f"unix://{scratch / 'guest.vsock'}_{AGENT_VSOCK_PORT}"), device
-        )
+        ),
+        name="warm agent",
     )
     muxer = Muxer(str(scratch / "guest.vsock"))
     listener = await muxer.listen(device.path)
@@ -947,9 +948,7 @@ async def _warm_boot(scratch: Path) -> None:
     finally:
         listener.close()
         await muxer.aclose()
-        agent.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await agent
+        await cancel_and_wait(agent)
 
 
 def warm(scratch: str) -> None:

@@ -86,6 +86,15 @@ def free_heap_bytes() -> int | None:
     return int(_LIBC.mallinfo2().fordblks)
 
 
+def used_heap_bytes() -> int | None:
+    """Bytes malloc has handed out and not had back, in its arenas and mmapped chunks alike
+    (None without glibc's mallinfo2)."""
+    if _LIBC is None or not hasattr(_LIBC, "mallinfo2"):
+        return None
+    info = _LIBC.mallinfo2()
+    return int(info.uordblks + info.hblkhd)
+
+
 def trim() -> bool:
     """Return free heap pages to the system now; True if any were returned."""
     if _LIBC is None:

@@ -24,6 +24,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Protocol, cast
 
+from podgate.aio import tls
 from podgate.aio.budget import ConnectionBudget, connection_budget
 from podgate.aio.errors import (
     BrokenStreamError,
@@ -140,7 +141,8 @@ class _StreamProtocol(asyncio.BufferedProtocol):
 
     Buffered: each read is sized to the connection's share of the process budget, so a
     connection over its share holds at most one read more (a plain Protocol gets whatever the
-    transport read, up to 256 KiB, and a TLS one every record decrypted so far)."""
+    transport read, up to 256 KiB). Over TLS (podgate.aio.tls) the decrypted records fill the
+    same buffers."""
 
     def __init__(self) -> None:
         loop = asyncio.get_running_loop()
@@ -200,7 +202,7 @@ class _StreamProtocol(asyncio.BufferedProtocol):
     def eof_received(self) -> bool:
         self._eof = True
         self._wake_reader()
-        # Keep our sending half open (TLS has no half-close: there the answer is ignored).
+        # Keep our sending half open. TLS has no half-close: there False closes the connection.
         return self.transport is None or self.transport.get_extra_info("sslcontext") is None
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -330,14 +332,15 @@ class SocketStream(ByteStream):
         server_hostname: str | None = None,
     ) -> SocketStream:
         loop = asyncio.get_running_loop()
+        proto = _StreamProtocol()
         with map_os_errors():
-            _, proto = await loop.create_connection(
-                _StreamProtocol,
-                host,
-                port,
-                ssl=ssl_context,
-                server_hostname=server_hostname if ssl_context else None,
-            )
+            if ssl_context is None:
+                await loop.create_connection(lambda: proto, host, port)
+            else:
+                hostname = host if server_hostname is None else server_hostname
+                secure = tls.client_side(proto, ssl_context, hostname)
+                await loop.create_connection(lambda: secure, host, port)
+                await secure.wait_handshake()
         stream = cls(proto)
         stream.set_nodelay()
         return stream
@@ -352,13 +355,14 @@ class SocketStream(ByteStream):
     ) -> SocketStream:
         """Connect to a unix socket (a runtime's streaming server may listen on one)."""
         loop = asyncio.get_running_loop()
+        proto = _StreamProtocol()
         with map_os_errors():
-            _, proto = await loop.create_unix_connection(
-                _StreamProtocol,
-                path,
-                ssl=ssl_context,
-                server_hostname=server_hostname if ssl_context else None,
-            )
+            if ssl_context is None:
+                await loop.create_unix_connection(lambda: proto, path)
+            else:
+                secure = tls.client_side(proto, ssl_context, server_hostname)
+                await loop.create_unix_connection(lambda: secure, path)
+                await secure.wait_handshake()
         return cls(proto)
 
     @classmethod
@@ -541,10 +545,10 @@ async def start_server(
     loop = asyncio.get_running_loop()
     owner = tasks if tasks is not None else TaskSet(f"server {host}:{port}", log)
 
-    def factory() -> _StreamProtocol:
-        return _AcceptingProtocol(handler, owner)
+    def factory() -> asyncio.BaseProtocol:
+        return _secured(_AcceptingProtocol(handler, owner), ssl_context)
 
-    return await loop.create_server(factory, host, port, ssl=ssl_context, backlog=backlog)
+    return await loop.create_server(factory, host, port, backlog=backlog)
 
 
 def remove_stale_socket(path: str) -> None:
@@ -571,10 +575,15 @@ async def start_unix_server(
     owner = tasks if tasks is not None else TaskSet(f"server {path}", log)
     remove_stale_socket(path)
     server = await loop.create_unix_server(
-        lambda: _AcceptingProtocol(handler, owner), path, ssl=ssl_context
+        lambda: _secured(_AcceptingProtocol(handler, owner), ssl_context), path
     )
     os.chmod(path, mode)
     return server
+
+
+def _secured(protocol: _StreamProtocol, ssl_context: ssl.SSLContext | None) -> asyncio.BaseProtocol:
+    """The protocol a server's transport gets: `protocol`, or TLS in front of it."""
+    return protocol if ssl_context is None else tls.server_side(protocol, ssl_context)
 
 
 class _AcceptingProtocol(_StreamProtocol):

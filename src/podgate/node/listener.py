@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import Final
 
+from podgate.aio import tls
 from podgate.aio.errors import StreamError
 from podgate.aio.streams import SocketStream
 
@@ -138,17 +139,12 @@ class Listener:
         loop = asyncio.get_running_loop()
         try:
             try:
-                # Our own protocol object: uvloop returns its SSL protocol, not the app's.
                 protocol = SocketStream.protocol_factory()
                 async with asyncio.timeout_at(ticket.deadline):
-                    await loop.connect_accepted_socket(
-                        lambda: protocol,
-                        conn,
-                        ssl=self._ssl,
-                        ssl_handshake_timeout=(
-                            max(ticket.deadline - loop.time(), 0.001) if self._ssl else None
-                        ),
-                    )
+                    if self._ssl is None:
+                        await loop.connect_accepted_socket(lambda: protocol, conn)
+                    else:
+                        await tls.accept(protocol, conn, self._ssl)
             except (TimeoutError, OSError, ssl.SSLError, ConnectionError) as exc:
                 if isinstance(exc, TimeoutError):
                     self.preauth.timed_out += 1

@@ -45,6 +45,7 @@ FEED_BYTES = 32 * 1024
 ENCRYPT_BYTES = 64 * 1024
 # Most ciphertext read at once (a lone transfer's read; busy ones read their share).
 READ_BYTES = 256 * 1024
+_HEADER_BYTES = 5  # a TLS record's header: type, version, 16-bit length
 # asyncio's default: a peer that does not finish its handshake in time is cut off.
 HANDSHAKE_TIMEOUT_SECONDS = 60.0
 
@@ -156,6 +157,13 @@ class TlsProtocol(asyncio.BufferedProtocol):
         self._transport = TlsTransport(self)
         self._wrapped = False  # handshake done: the application is connected
         self._unfed = b""  # ciphertext read and not yet given to OpenSSL (reading paused)
+        # Where the ciphertext stands in its records (see _cut): bytes of the current
+        # record still to come, and the start of a header split across reads.
+        self._record_left = 0
+        self._header = b""
+        # The application's buffer being filled within one read, and how far.
+        self._buffer: memoryview | None = None
+        self._filled = 0
         self._eof = False  # TCP EOF or close_notify: nothing more to read
         self.app_paused = False
         self.closing = False
@@ -250,50 +258,97 @@ class TlsProtocol(asyncio.BufferedProtocol):
 
     # -- reading
     def _feed(self, data: memoryview | bytes) -> None:
-        """Give `data` to OpenSSL a piece at a time, decrypting each piece into the
-        application's buffers; what is left when the application pauses waits in _unfed."""
+        """Give `data` to OpenSSL a run of whole records at a time (FEED_BYTES or a little
+        more), decrypting each run before the next into one application buffer, handed on
+        when full and at the end; what is left when the application pauses waits in _unfed."""
         view = memoryview(data)
         pos = 0
         while pos < len(view):
             if self.app_paused or self.closing:
                 break
-            end = pos + FEED_BYTES
+            end = self._cut(view, pos)
             self._incoming.write(view[pos:end])
             pos = end
-            self._decrypt()
+            self._decrypt(hand_on=pos == len(view))
+        self._hand_on()  # paused or closing in between: what was decrypted goes now
         self._unfed = bytes(view[pos:]) if pos < len(view) else b""
 
-    def _decrypt(self) -> None:
+    def _cut(self, view: memoryview, start: int) -> int:
+        """The end of the next run from `start`: the first record boundary at least
+        FEED_BYTES on, or the end of `view`. Cut between records, OpenSSL stops short of a
+        record only at the end of a read: each stop costs an SSLWantReadError, which costs
+        more than walking the 5-byte record headers here."""
+        pos = start
+        end = len(view)
+        goal = start + FEED_BYTES
+        while pos < end:
+            if self._record_left:
+                step = min(self._record_left, end - pos)
+                self._record_left -= step
+                pos += step
+                if not self._record_left and pos >= goal:
+                    return pos
+                continue
+            # A record header (type, version, length), possibly split across reads.
+            need = _HEADER_BYTES - len(self._header)
+            if end - pos < need:
+                self._header += view[pos:end]
+                return end
+            header = self._header + view[pos : pos + need]
+            self._header = b""
+            pos += need
+            self._record_left = int.from_bytes(header[3:5], "big")
+        return end
+
+    def _decrypt(self, *, hand_on: bool = True) -> None:
         """Decrypt what OpenSSL has into the application's buffers, filling each before
-        handing it on, until OpenSSL needs more ciphertext or the application pauses."""
+        handing it on, until OpenSSL needs more ciphertext or the application pauses. A
+        buffer not yet full is kept for the next run unless `hand_on`: a read reaches the
+        application in as few pieces as uvloop's TLS hands it on."""
         while not self.app_paused and not self.closing and not self._lost:
-            buffer = memoryview(self.app.get_buffer(-1))
-            filled = 0
+            if self._buffer is None:
+                self._buffer = memoryview(self.app.get_buffer(-1))
+                self._filled = 0
+            buffer = self._buffer
             ended = False
             try:
-                while filled < len(buffer):
+                # Only while OpenSSL has bytes: fed whole records, it then seldom runs dry
+                # inside one (see _cut).
+                while self._filled < len(buffer) and (
+                    self._incoming.pending or self._sslobj.pending()
+                ):
                     # Into the buffer (typeshed knows only the bytes-returning form).
                     read_into: Any = self._sslobj.read
-                    got: int = read_into(len(buffer) - filled, buffer[filled:])
+                    got: int = read_into(len(buffer) - self._filled, buffer[self._filled :])
                     if not got:
                         ended = True  # close_notify
                         break
-                    filled += got
+                    self._filled += got
             except ssl.SSLWantReadError:
                 pass
             except ssl.SSLError as exc:
+                self._buffer = None
                 self._fatal(exc)
                 return
-            if filled:
-                self.app.buffer_updated(filled)
+            full = self._filled == len(buffer)
+            if full or ended or hand_on:
+                self._hand_on()
             if self._outgoing.pending:  # a key update's answer
                 self._flush()
             if ended:
                 self._eof = True
                 self._app_eof()
                 return
-            if filled < len(buffer):
+            if not full:
                 return  # OpenSSL has nothing more: wait for ciphertext
+
+    def _hand_on(self) -> None:
+        """Give the application what was decrypted into its buffer."""
+        buffer, filled = self._buffer, self._filled
+        self._buffer = None
+        self._filled = 0
+        if buffer is not None and filled:
+            self.app.buffer_updated(filled)
 
     def pause_app_reading(self) -> None:
         if not self.app_paused:

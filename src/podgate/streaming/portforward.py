@@ -16,6 +16,7 @@ from collections.abc import Coroutine, Sequence
 
 from podgate.aio.errors import ForwardError, StalledStreamError, StreamError, StreamResetError
 from podgate.aio.spdy import SpdySession, SpdyStream
+from podgate.aio.spdysplice import splice_forward
 from podgate.aio.splice import HALF_CLOSE_GRACE_SECONDS, SpliceResult, splice
 from podgate.aio.streams import DEFAULT_RECEIVE_BYTES, Buffer, ByteStream
 from podgate.aio.tasks import cancel_and_wait
@@ -153,7 +154,11 @@ class SpdyPortForwardServer:
             log.info("port-forward %s: %s", self.pod, message)
             await self._fail(error, data, message)
             return
-        result = await splice(_EndsWithErrorStream(data, error), self.hooks.wrap(upstream))
+        # In the kernel when both the session's socket and the pod's allow it; a hook that
+        # wraps the pod's stream (a rate limit) keeps the bytes in Python, where it sees them.
+        result = await splice_forward(
+            _EndsWithErrorStream(data, error), data, self.hooks.wrap(upstream)
+        )
         record.bytes_in, record.bytes_out = result.a_to_b, result.b_to_a
         if isinstance(result.error, ForwardError):
             # The runtime behind us explained the failure: pass its words on.

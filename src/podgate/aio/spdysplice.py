@@ -1,0 +1,447 @@
+"""SPDY DATA payloads spliced in the kernel between a session's socket and a pod's socket.
+
+The usual path reads every DATA payload out of the client's socket into Python, queues it on
+its SpdyStream, and a copy task writes it into the pod's socket (and the reverse). When the
+session's wire is a plain socket (TCP or unix: no TLS, no WebSocket tunnel) and the pod side of
+a forward is one too, `splice_forward` lets the payload go around Python:
+
+- client → pod: the session reads its socket itself (its transport stops reading), with small
+  reads at frame boundaries. Inside the payload of a DATA frame whose stream's pod socket is
+  ready, the bytes go client socket → pipe → pod socket with os.splice, and the SPDY core is
+  told how many went around it (SpdyConnection.skip_data): windows, FIN and stream state stay
+  exact. A payload piece that came with a frame header is written to the pod socket directly.
+- pod → client: the pod socket is spliced into a pipe (n bytes); then, once the session's
+  transport holds nothing unsent, the DATA header for n bytes and the pipe go into the client's
+  socket within one callback. What the socket does not take at once is read out of the pipe and
+  handed to the transport behind the header, so nothing interleaves inside a frame.
+
+A pod socket is "ready" when nothing of its stream waits anywhere else: no chunk queued on the
+SpdyStream, nothing unsent in the pod's transport. When it is not (a slow pod), bytes take the
+usual path with all its budgets, stall resets and flow control, and the fast path resumes once
+that path has drained. A copy task still carries that path and the client's EOF and errors into
+the pod, exactly as podgate.aio.splice does, so every end of a forward behaves as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Final
+
+from podgate.aio.errors import BrokenStreamError, ClosedStreamError, StreamError, fresh
+from podgate.aio.ksplice import PIPE_BYTES, pipe, wait_ready
+from podgate.aio.splice import HALF_CLOSE_GRACE_SECONDS, SpliceResult, splice
+from podgate.aio.streams import (
+    DEFAULT_RECEIVE_BYTES,
+    ByteStream,
+    SocketStream,
+    drain_unless_ended,
+)
+from podgate.proto.errors import ProtocolError
+
+if TYPE_CHECKING:
+    from podgate.aio.spdy import SpdySession, SpdyStream
+
+__all__ = [
+    "BOUNDARY_READ_BYTES",
+    "KernelReads",
+    "PodSink",
+    "SharedSocket",
+    "send_spliced_frame",
+    "splice_forward",
+]
+
+_FLAGS: Final = os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK
+# What the session reads at a frame boundary while a stream splices: a frame header, a
+# control frame or a small DATA frame whole, yet of a large frame's payload only this much
+# enters Python (3 % of a Go peer's 32 KiB frame, 0.4 % of podgate's 256 KiB ones).
+BOUNDARY_READ_BYTES: Final = 1024
+
+
+def _read_out(r: int, size: int) -> bytes:
+    """Exactly `size` bytes that are in the pipe `r` (they are there: nothing can block)."""
+    parts = []
+    while size:
+        part = os.read(r, size)
+        parts.append(part)
+        size -= len(part)
+    return b"".join(parts)
+
+
+class SharedSocket:
+    """A duplicate of the session's socket, for the session's own reads and spliced writes.
+
+    uvloop refuses add_reader/add_writer on the descriptor its transport owns; a duplicate
+    works. It is closed once the session is done with it and no spliced write still uses it
+    (closing a descriptor a wait is registered on would leave the loop polling a number that
+    may be reused). Writers waiting for the socket to drain share one add_writer."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.fd = sock.fileno()
+        self._users = 1  # the session
+        self._loop = asyncio.get_running_loop()
+        self._writable: list[asyncio.Future[None]] = []
+
+    def acquire(self) -> SharedSocket:
+        self._users += 1
+        return self
+
+    def release(self) -> None:
+        self._users -= 1
+        if not self._users:
+            for waiter in self._writable:  # none is left after every user released
+                waiter.cancel()
+            self.sock.close()
+
+    async def wait_writable(self) -> None:
+        waiter = self._loop.create_future()
+        if not self._writable:
+            self._loop.add_writer(self.fd, self._wake_writers)
+        self._writable.append(waiter)
+        try:
+            await waiter
+        finally:
+            if waiter in self._writable:
+                self._writable.remove(waiter)
+                if not self._writable:
+                    self._loop.remove_writer(self.fd)
+
+    def _wake_writers(self) -> None:
+        self._loop.remove_writer(self.fd)
+        waiters, self._writable = self._writable, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+
+class PodSink:
+    """The pod side of a spliced forward, as the session's read loop writes into it: a
+    duplicate of the pod socket to splice into, and its SocketStream for what must queue."""
+
+    def __init__(self, pod: SocketStream, sock: socket.socket) -> None:
+        self.pod = pod
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.moved = 0  # payload bytes written into the pod socket by the read loop
+        self.spliced = 0  # ... of which os.splice moved (never in Python)
+        self.error: BrokenStreamError | None = None
+        self.failed = asyncio.Event()
+
+    def ready(self) -> bool:
+        """Whether a write now goes straight to the socket, behind everything sent before."""
+        pod = self.pod
+        return (
+            self.error is None
+            and not pod.eof_sent
+            and not pod.write_buffer_size
+            and not pod.transport.is_closing()
+        )
+
+    def write(self, data: bytes) -> None:
+        """A payload piece that came through Python (with a frame header)."""
+        try:
+            self.pod.write(data)
+        except StreamError as exc:
+            self._fail(str(exc))
+            return
+        self.moved += len(data)
+
+    def push(self, r: int, size: int) -> bool:
+        """Move the `size` bytes in pipe `r` into the pod: spliced as far as the socket takes
+        them, the rest read out and queued on the transport (a slow pod: the next payload
+        takes the usual path until it drained). False when the pod's socket failed and the
+        pipe still holds bytes (the caller replaces it)."""
+        left = size
+        try:
+            while left:
+                left -= os.splice(r, self.fd, left, flags=_FLAGS)
+        except BlockingIOError:
+            pass
+        except OSError as exc:  # the pod reset or closed its end
+            self._fail(str(exc))
+            return False
+        self.spliced += size - left
+        self.moved += size - left
+        if left:
+            self.write(_read_out(r, left))
+        return True
+
+    def _fail(self, reason: str) -> None:
+        if self.error is None:
+            self.error = BrokenStreamError(f"pod connection lost: {reason}")
+            self.failed.set()
+
+
+class KernelReads:
+    """The session's own reads of its socket, once a stream splices: recv for frame headers,
+    control frames and payload that stays in Python; splice for payload that goes to a pod."""
+
+    def __init__(self, shared: SharedSocket, pending: bytes, eof: bool) -> None:
+        self._shared = shared
+        self._pending = pending  # what the transport had read before the hand-over
+        self._eof = eof
+        self._pipe = pipe()
+        self._loop = asyncio.get_running_loop()
+
+    @property
+    def buffered(self) -> bool:
+        """Bytes read before the hand-over wait to be parsed: nothing may be spliced first."""
+        return bool(self._pending) or self._eof
+
+    async def recv(self, size: int) -> bytes | None:
+        """Up to `size` bytes, b"" at EOF; None after waiting for the socket (the caller
+        looks again at where the input stands)."""
+        if self._pending:
+            data, self._pending = self._pending, b""
+            return data
+        if self._eof:
+            return b""
+        try:
+            return self._shared.sock.recv(size)
+        except BlockingIOError:
+            await self._wait_readable()
+            return None
+        except OSError as exc:
+            raise BrokenStreamError(f"connection lost: {exc}") from exc
+
+    async def splice_payload(self, size: int, sink: PodSink) -> int | None:
+        """Splice up to `size` payload bytes from the session's socket into the pod: the
+        bytes moved (0 at EOF), or None after waiting for the socket."""
+        r, w = self._pipe
+        try:
+            n = os.splice(self._shared.fd, w, min(size, PIPE_BYTES), flags=_FLAGS)
+        except BlockingIOError:
+            await self._wait_readable()
+            return None
+        except OSError as exc:
+            raise BrokenStreamError(f"connection lost: {exc}") from exc
+        if n and not sink.push(r, n):
+            self._replace_pipe()
+        return n
+
+    async def _wait_readable(self) -> None:
+        loop = self._loop
+        await wait_ready(loop.add_reader, loop.remove_reader, self._shared.fd)
+
+    def _replace_pipe(self) -> None:
+        """A pipe with bytes left in it (their pod went away) is of no further use."""
+        for fd in self._pipe:
+            os.close(fd)
+        self._pipe = pipe()
+
+    def close(self) -> None:
+        for fd in self._pipe:
+            os.close(fd)
+        self._shared.release()
+
+
+async def send_spliced_frame(
+    session: SpdySession, shared: SharedSocket, stream: SpdyStream, r: int, size: int
+) -> None:
+    """Send the `size` bytes in pipe `r` as one DATA frame of `stream`.
+
+    Waits until the session's transport holds nothing unsent (after flushing what the core
+    queued), then, without yielding: the core accounts the frame, its header goes to the
+    socket, the pipe is spliced after it; whatever the socket did not take is handed to the
+    transport in order. Other writers only ever write through the transport, which is empty at
+    that moment, so nothing can land inside the frame."""
+    wire = session._socket_wire
+    assert wire is not None
+    while True:
+        stream._check_writable()
+        if session.broken is not None:
+            raise fresh(session.broken)
+        session._flush()
+        if session.broken is not None:
+            raise fresh(session.broken)
+        if not wire.write_buffer_size:
+            break
+        if not await drain_unless_ended(shared.wait_writable(), stream._ended):
+            stream._check_writable()
+            raise ClosedStreamError("stream ended while sending")
+        # The transport flushes from its own callback, maybe after ours in this turn.
+        await asyncio.sleep(0)
+    try:
+        header = session._core.data_header(stream.stream_id, size)
+    except ProtocolError as exc:
+        raise ClosedStreamError(str(exc)) from exc
+    sent = 0
+    left = size
+    try:
+        sent = shared.sock.send(header)
+        if sent == len(header):
+            while left:
+                left -= os.splice(r, shared.fd, left, flags=_FLAGS)
+    except BlockingIOError:
+        pass
+    except OSError as exc:
+        # The connection broke inside a frame: nothing more can be written on it.
+        session.broken = BrokenStreamError(f"connection lost: {exc}")
+        raise fresh(session.broken) from exc
+    rest = header[sent:] + _read_out(r, left) if sent < len(header) or left else b""
+    if rest:
+        try:
+            wire.write(rest)
+        except StreamError as exc:
+            session.broken = BrokenStreamError(f"connection lost: {exc}")
+            raise fresh(session.broken) from exc
+    stream.bytes_sent += size
+    session.spliced_bytes_sent += size - left
+    session._touch()
+    await stream._drain()
+
+
+def can_splice(stream: SpdyStream, pod: ByteStream) -> bool:
+    """Whether `splice_forward` would take the kernel path for this pair."""
+    return (
+        isinstance(pod, SocketStream)
+        and pod.can_take_reading()
+        and not pod.eof_sent
+        and stream.session.can_splice
+    )
+
+
+async def splice_forward(
+    a: ByteStream,
+    stream: SpdyStream,
+    pod: ByteStream,
+    *,
+    grace: float | None = HALF_CLOSE_GRACE_SECONDS,
+) -> SpliceResult:
+    """podgate.aio.splice.splice(a, pod), with the payload spliced in the kernel where both
+    ends allow it. `a` is the SPDY stream `stream` (or a wrapper of it that only adds to its
+    EOF); the results, EOF and error semantics are splice's."""
+    if not can_splice(stream, pod):
+        return await splice(a, pod, grace=grace)
+    assert isinstance(pod, SocketStream)
+    session = stream.session
+    sock, pending, eof = pod.take_reading()
+    sink = PodSink(pod, sock)
+    shared = session._attach_sink(stream, sink)
+    result = SpliceResult()
+
+    def count_in(n: int) -> None:
+        result.a_to_b += n
+
+    def count_out(n: int) -> None:
+        result.b_to_a += n
+
+    tasks: set[asyncio.Task[None]] = {
+        asyncio.create_task(_copy_in(a, pod, count_in), name="spdysplice client->pod"),
+        asyncio.create_task(
+            _splice_out(a, stream, shared, sink, pending, eof, count_out),
+            name="spdysplice pod->client",
+        ),
+    }
+    watcher = asyncio.create_task(_watch(sink), name="spdysplice pod watch")
+    try:
+        pending_tasks = set(tasks)
+        while pending_tasks:
+            timeout = grace if len(pending_tasks) == 1 else None
+            done, pending_tasks = await asyncio.wait(
+                pending_tasks | {watcher}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+            pending_tasks.discard(watcher)
+            if not done:
+                break  # grace ran out
+            for task in done:
+                exc = task.exception()
+                if exc is not None:
+                    if not isinstance(exc, StreamError):
+                        raise exc
+                    # Without its traceback: its frames hold `result` (see splice).
+                    result.error = result.error or exc.with_traceback(None)
+            if result.error is not None:
+                break
+    finally:
+        for task in (*tasks, watcher):
+            task.cancel()
+        for task in (*tasks, watcher):
+            with contextlib.suppress(asyncio.CancelledError, StreamError):
+                await task
+        session._detach_sink(stream, sink)
+        shared.release()
+        sock.close()
+        result.a_to_b += sink.moved
+        await asyncio.gather(a.aclose(), pod.aclose(), return_exceptions=True)
+    return result
+
+
+async def _watch(sink: PodSink) -> None:
+    """Ends the forward when a spliced write found the pod gone."""
+    await sink.failed.wait()
+    assert sink.error is not None
+    raise fresh(sink.error)
+
+
+async def _copy_in(a: ByteStream, pod: SocketStream, count: Callable[[int], None]) -> None:
+    """Client → pod for what went the usual way (queued on the stream), then EOF."""
+    while True:
+        chunk = await a.receive(DEFAULT_RECEIVE_BYTES)
+        if not chunk:
+            await pod.send_eof()
+            return
+        await pod.send(chunk)
+        count(len(chunk))
+
+
+async def _splice_out(
+    a: ByteStream,
+    stream: SpdyStream,
+    shared: SharedSocket,
+    sink: PodSink,
+    pending: bytes,
+    eof: bool,
+    count: Callable[[int], None],
+) -> None:
+    """Pod → client: splice the pod socket into a pipe, send the pipe as one DATA frame."""
+    if pending:  # read by the pod's transport before the hand-over
+        await a.send(pending)
+        count(len(pending))
+    if eof:
+        await a.send_eof()
+        return
+    session = stream.session
+    loop = asyncio.get_running_loop()
+    r, w = pipe()
+    try:
+        while True:
+            size = await _send_allowance(stream)
+            try:
+                n = os.splice(sink.fd, w, size, flags=_FLAGS)
+            except BlockingIOError:
+                await wait_ready(loop.add_reader, loop.remove_reader, sink.fd)
+                continue
+            except OSError as exc:  # the pod reset its end
+                raise BrokenStreamError(str(exc)) from exc
+            if n == 0:
+                await a.send_eof()
+                return
+            await send_spliced_frame(session, shared, stream, r, n)
+            count(n)
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+async def _send_allowance(stream: SpdyStream) -> int:
+    """Bytes the next frame may carry: a pipe's worth, within the stream's send window."""
+    session = stream.session
+    while True:
+        stream._check_writable()
+        if session.broken is not None:
+            raise fresh(session.broken)
+        if not session._update_threshold:
+            return PIPE_BYTES
+        try:
+            window = session._core.send_window(stream.stream_id)
+        except ProtocolError as exc:
+            raise ClosedStreamError(str(exc)) from exc
+        if window:
+            return min(window, PIPE_BYTES)
+        stream._window_open.clear()
+        await stream._window_open.wait()

@@ -100,6 +100,13 @@ class SpdyPortForwardServer:
             await cancel_and_wait(*self._tasks)
             await session.aclose()
             await cancel_and_wait(reader)
+            if session.spliced_bytes_received or session.spliced_bytes_sent:
+                log.info(
+                    "port-forward %s: %d payload bytes spliced from the client, %d to it",
+                    self.pod,
+                    session.spliced_bytes_received,
+                    session.spliced_bytes_sent,
+                )
 
     def _spawn(self, coro: Coroutine[object, object, None], name: str) -> None:
         task = asyncio.create_task(coro, name=name)

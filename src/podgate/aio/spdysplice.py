@@ -32,7 +32,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Final
 
 from podgate.aio.errors import BrokenStreamError, ClosedStreamError, StreamError, fresh
-from podgate.aio.ksplice import PIPE_BYTES, pipe, wait_ready
+from podgate.aio.ksplice import PIPE_BYTES, pipe
 from podgate.aio.splice import HALF_CLOSE_GRACE_SECONDS, SpliceResult, splice
 from podgate.aio.streams import (
     DEFAULT_RECEIVE_BYTES,
@@ -49,6 +49,7 @@ __all__ = [
     "BOUNDARY_READ_BYTES",
     "KernelReads",
     "PodSink",
+    "ReadWaiter",
     "SharedSocket",
     "send_spliced_frame",
     "splice_forward",
@@ -69,6 +70,42 @@ def _read_out(r: int, size: int) -> bytes:
         parts.append(part)
         size -= len(part)
     return b"".join(parts)
+
+
+class ReadWaiter:
+    """Waits for a descriptor to become readable. The loop's registration is kept between
+    waits that follow each other (adding and removing it for every wait costs a handle and two
+    epoll_ctl calls, once per spliced frame), and dropped as soon as it fires while nobody
+    waits, so unread bytes never make the loop spin."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._loop = asyncio.get_running_loop()
+        self._waiter: asyncio.Future[None] | None = None
+        self._registered = False
+
+    async def wait(self) -> None:
+        waiter = self._waiter = self._loop.create_future()
+        if not self._registered:
+            self._loop.add_reader(self._fd, self._fire)
+            self._registered = True
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+
+    def _fire(self) -> None:
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            self.close()  # nobody waits: stop polling until the next wait
+        else:
+            waiter.set_result(None)
+
+    def close(self) -> None:
+        """Drop the registration (before the descriptor is closed)."""
+        if self._registered:
+            self._loop.remove_reader(self._fd)
+            self._registered = False
 
 
 class SharedSocket:
@@ -185,7 +222,7 @@ class KernelReads:
         self._pending = pending  # what the transport had read before the hand-over
         self._eof = eof
         self._pipe = pipe()
-        self._loop = asyncio.get_running_loop()
+        self._readable = ReadWaiter(shared.fd)
 
     @property
     def buffered(self) -> bool:
@@ -224,8 +261,7 @@ class KernelReads:
         return n
 
     async def _wait_readable(self) -> None:
-        loop = self._loop
-        await wait_ready(loop.add_reader, loop.remove_reader, self._shared.fd)
+        await self._readable.wait()
 
     def _replace_pipe(self) -> None:
         """A pipe with bytes left in it (their pod went away) is of no further use."""
@@ -234,6 +270,7 @@ class KernelReads:
         self._pipe = pipe()
 
     def close(self) -> None:
+        self._readable.close()
         for fd in self._pipe:
             os.close(fd)
         self._shared.release()
@@ -292,7 +329,12 @@ async def send_spliced_frame(
     stream.bytes_sent += size
     session.spliced_bytes_sent += size - left
     session._touch()
-    await stream._drain()
+    if wire.writing_paused:
+        await stream._drain()
+    else:
+        # Nothing to wait for; yield anyway, so that a pod that always has more cannot keep
+        # the read loop (the peer's RST_STREAM, GOAWAY) from running.
+        await asyncio.sleep(0)
 
 
 def can_splice(stream: SpdyStream, pod: ByteStream) -> bool:
@@ -406,7 +448,7 @@ async def _splice_out(
         await a.send_eof()
         return
     session = stream.session
-    loop = asyncio.get_running_loop()
+    readable = ReadWaiter(sink.fd)
     r, w = pipe()
     try:
         while True:
@@ -414,7 +456,7 @@ async def _splice_out(
             try:
                 n = os.splice(sink.fd, w, size, flags=_FLAGS)
             except BlockingIOError:
-                await wait_ready(loop.add_reader, loop.remove_reader, sink.fd)
+                await readable.wait()
                 continue
             except OSError as exc:  # the pod reset its end
                 raise BrokenStreamError(str(exc)) from exc
@@ -424,6 +466,7 @@ async def _splice_out(
             await send_spliced_frame(session, shared, stream, r, n)
             count(n)
     finally:
+        readable.close()
         os.close(r)
         os.close(w)
 

@@ -23,11 +23,11 @@ from pathlib import Path
 import pytest
 import uvloop
 
-from podgate.aio.errors import StreamError, StreamResetError
+from podgate.aio.errors import BrokenStreamError, ForwardError, StreamError, StreamResetError
 from podgate.aio.spdy import SpdySession, SpdyStream
-from podgate.aio.spdysplice import splice_forward
+from podgate.aio.spdysplice import KernelSpliceable, PodSocket, splice_forward
 from podgate.aio.splice import SpliceResult
-from podgate.aio.streams import ByteStream, SocketStream, start_server, start_unix_server
+from podgate.aio.streams import Buffer, ByteStream, SocketStream, start_server, start_unix_server
 from podgate.proto.spdy import DataReceived, Event, Role, SpdyConnection
 from podgate.streaming.hooks import ThrottledStream
 
@@ -466,3 +466,57 @@ async def _slow_pod_falls_back_to_the_queue_and_back() -> None:
             answer = await receive_all(stream)
         assert answer.decode() == sha(data)
         assert state.session.spliced_bytes_received > 0
+
+
+class AgentLike(ByteStream, KernelSpliceable):
+    """A pod stream over a socket with bytes of its own first and an EOF that means an error
+    (as the agent backend's dial-back, whose EOF is checked against the agent's life)."""
+
+    def __init__(self, inner: SocketStream) -> None:
+        self.inner = inner
+
+    def pod_socket(self) -> PodSocket:
+        return PodSocket(self.inner, b"first:", self._check_eof, self._lost)
+
+    async def _check_eof(self) -> None:
+        raise ForwardError("the agent went away")
+
+    def _lost(self, exc: BrokenStreamError) -> ForwardError:
+        return ForwardError(f"lost: {exc}")
+
+    async def receive(self, max_bytes: int = 65536) -> bytes:
+        raise AssertionError("a spliced wrapper is never read")
+
+    async def send(self, data: Buffer) -> None:
+        await self.inner.send(data)
+
+    async def send_eof(self) -> None:
+        await self.inner.send_eof()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def test_a_wrapper_keeps_its_bytes_eof_and_errors(loop_name: str) -> None:
+    run_on(loop_name, _a_wrapper_keeps_its_bytes_eof_and_errors())
+
+
+async def _a_wrapper_keeps_its_bytes_eof_and_errors() -> None:
+    async def answers(conn: SocketStream) -> None:
+        await conn.send(b"pod bytes")
+        await conn.send_eof()
+        await receive_all(conn)
+
+    async with rig(answers, wrap=AgentLike) as state, client(state) as session:
+        stream = await session.open_stream({"port": "1"})
+        received = bytearray()
+        async with asyncio.timeout(TIMEOUT_SECONDS):
+            # The wrapper's EOF is an error: the stream is reset after the bytes, not ended.
+            with pytest.raises(StreamResetError):
+                while chunk := await stream.receive():
+                    received += chunk
+            await state.forwards_done()
+        assert received == b"first:pod bytes"
+        assert isinstance(state.results[0].error, ForwardError)
+        assert str(state.results[0].error) == "the agent went away"
+        assert state.session.spliced_bytes_sent == len(b"pod bytes")

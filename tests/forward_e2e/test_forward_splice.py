@@ -64,6 +64,10 @@ def test_kubectl_bulk_and_echo_are_spliced_in_the_runtime(stack: Stack) -> None:
         assert kubectl.proc.poll() is None, kubectl.stderr
     assert echoed == hashlib.sha256(echo_data).hexdigest()
 
+    # The gateway keeps its session to the runtime for the next forward; stopping it ends
+    # the session, and the runtime logs what was spliced in it.
+    assert stack.node.stop() == 0
+    stack.node.start()
     deadline = time.monotonic() + LOG_WAIT_SECONDS
     while True:
         log = stack.runtime.output.read_bytes()[log_start:].decode(errors="replace")

@@ -28,7 +28,9 @@ import asyncio
 import contextlib
 import os
 import socket
-from collections.abc import Callable
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
 from podgate.aio.errors import BrokenStreamError, ClosedStreamError, StreamError, fresh
@@ -48,7 +50,9 @@ if TYPE_CHECKING:
 __all__ = [
     "BOUNDARY_READ_BYTES",
     "KernelReads",
+    "KernelSpliceable",
     "PodSink",
+    "PodSocket",
     "ReadWaiter",
     "SharedSocket",
     "send_spliced_frame",
@@ -159,8 +163,9 @@ class PodSink:
     """The pod side of a spliced forward, as the session's read loop writes into it: a
     duplicate of the pod socket to splice into, and its SocketStream for what must queue."""
 
-    def __init__(self, pod: SocketStream, sock: socket.socket) -> None:
-        self.pod = pod
+    def __init__(self, target: PodSocket, sock: socket.socket) -> None:
+        self.target = target
+        self.pod = target.stream
         self.sock = sock
         self.fd = sock.fileno()
         self.moved = 0  # payload bytes written into the pod socket by the read loop
@@ -337,12 +342,45 @@ async def send_spliced_frame(
         await asyncio.sleep(0)
 
 
+@dataclass(frozen=True, slots=True)
+class PodSocket:
+    """What a pod-side ByteStream that wraps a plain socket lets a splice use: the socket's
+    SocketStream, bytes to deliver before the socket's own, what the socket's EOF means (a
+    check that raises the wrapper's error, if any), and the wrapper's error for a broken
+    socket. A plain SocketStream is its own PodSocket."""
+
+    stream: SocketStream
+    pending: bytes = b""
+    check_eof: Callable[[], Awaitable[None]] | None = None
+    map_error: Callable[[BrokenStreamError], StreamError] | None = None
+
+    def error(self, exc: BrokenStreamError) -> StreamError:
+        return exc if self.map_error is None else self.map_error(exc)
+
+
+class KernelSpliceable(ABC):
+    """A pod-side ByteStream over a plain socket that allows splice_forward to use it."""
+
+    @abstractmethod
+    def pod_socket(self) -> PodSocket:
+        """The socket and the wrapper's semantics; the wrapper is not read after this."""
+
+
+def _pod_socket(pod: ByteStream) -> PodSocket | None:
+    if isinstance(pod, KernelSpliceable):
+        return pod.pod_socket()
+    if isinstance(pod, SocketStream):
+        return PodSocket(pod)
+    return None
+
+
 def can_splice(stream: SpdyStream, pod: ByteStream) -> bool:
     """Whether `splice_forward` would take the kernel path for this pair."""
+    target = _pod_socket(pod)
     return (
-        isinstance(pod, SocketStream)
-        and pod.can_take_reading()
-        and not pod.eof_sent
+        target is not None
+        and target.stream.can_take_reading()
+        and not target.stream.eof_sent
         and stream.session.can_splice
     )
 
@@ -359,10 +397,12 @@ async def splice_forward(
     EOF); the results, EOF and error semantics are splice's."""
     if not can_splice(stream, pod):
         return await splice(a, pod, grace=grace)
-    assert isinstance(pod, SocketStream)
+    target = _pod_socket(pod)
+    assert target is not None
     session = stream.session
-    sock, pending, eof = pod.take_reading()
-    sink = PodSink(pod, sock)
+    sock, pending, eof = target.stream.take_reading()
+    pending = target.pending + pending
+    sink = PodSink(target, sock)
     shared = session._attach_sink(stream, sink)
     result = SpliceResult()
 
@@ -417,10 +457,10 @@ async def _watch(sink: PodSink) -> None:
     """Ends the forward when a spliced write found the pod gone."""
     await sink.failed.wait()
     assert sink.error is not None
-    raise fresh(sink.error)
+    raise sink.target.error(fresh(sink.error))
 
 
-async def _copy_in(a: ByteStream, pod: SocketStream, count: Callable[[int], None]) -> None:
+async def _copy_in(a: ByteStream, pod: ByteStream, count: Callable[[int], None]) -> None:
     """Client → pod for what went the usual way (queued on the stream), then EOF."""
     while True:
         chunk = await a.receive(DEFAULT_RECEIVE_BYTES)
@@ -445,6 +485,8 @@ async def _splice_out(
         await a.send(pending)
         count(len(pending))
     if eof:
+        if sink.target.check_eof is not None:
+            await sink.target.check_eof()
         await a.send_eof()
         return
     session = stream.session
@@ -459,8 +501,10 @@ async def _splice_out(
                 await readable.wait()
                 continue
             except OSError as exc:  # the pod reset its end
-                raise BrokenStreamError(str(exc)) from exc
+                raise sink.target.error(BrokenStreamError(str(exc))) from exc
             if n == 0:
+                if sink.target.check_eof is not None:
+                    await sink.target.check_eof()
                 await a.send_eof()
                 return
             await send_spliced_frame(session, shared, stream, r, n)

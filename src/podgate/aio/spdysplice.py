@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
 from podgate.aio.errors import BrokenStreamError, ClosedStreamError, StreamError, fresh
-from podgate.aio.ksplice import PIPE_BYTES, pipe
+from podgate.aio.ksplice import PIPE_BYTES, pipe, wait_ready
 from podgate.aio.splice import HALF_CLOSE_GRACE_SECONDS, SpliceResult, splice
 from podgate.aio.streams import (
     DEFAULT_RECEIVE_BYTES,
@@ -160,24 +160,46 @@ class SharedSocket:
 
 
 class PodSink:
-    """The pod side of a spliced forward, as the session's read loop writes into it: a
-    duplicate of the pod socket to splice into, and its SocketStream for what must queue."""
+    """The pod side of a spliced forward, as the session's read loop writes into it: a pipe
+    of its own and a duplicate of the pod socket to splice into, and the pod's SocketStream
+    for what must queue.
+
+    Payload is spliced into the pipe, then from the pipe into the pod as far as its socket
+    takes it. What a busy socket did not take stays in the pipe and a drain task splices it
+    when the socket is writable: the bytes stay out of Python, and the read loop moves on
+    (it never waits for one pod). Until the pipe is empty the sink is not ready, so later
+    payload queues the usual way, and the copy task waits for `drained` before it writes."""
 
     def __init__(self, target: PodSocket, sock: socket.socket) -> None:
         self.target = target
         self.pod = target.stream
         self.sock = sock
         self.fd = sock.fileno()
-        self.moved = 0  # payload bytes written into the pod socket by the read loop
-        self.spliced = 0  # ... of which os.splice moved (never in Python)
+        self.moved = 0  # payload bytes written into the pod by the read loop
+        self.spliced = 0  # ... of which went through the pipe (never in Python)
         self.error: BrokenStreamError | None = None
         self.failed = asyncio.Event()
+        self.drained = asyncio.Event()  # the pipe is empty
+        self.drained.set()
+        self._pipe = pipe()
+        self._in_pipe = 0
+        self._drainer: asyncio.Task[None] | None = None
+        # The copy task took a queued chunk and has not written it yet: later payload must
+        # not overtake it.
+        self.holding = False
+
+    @property
+    def pipe_in(self) -> int:
+        """The pipe's write end, for a splice from the session's socket (only when ready)."""
+        return self._pipe[1]
 
     def ready(self) -> bool:
         """Whether a write now goes straight to the socket, behind everything sent before."""
         pod = self.pod
         return (
             self.error is None
+            and not self._in_pipe
+            and not self.holding
             and not pod.eof_sent
             and not pod.write_buffer_size
             and not pod.transport.is_closing()
@@ -192,30 +214,48 @@ class PodSink:
             return
         self.moved += len(data)
 
-    def push(self, r: int, size: int) -> bool:
-        """Move the `size` bytes in pipe `r` into the pod: spliced as far as the socket takes
-        them, the rest read out and queued on the transport (a slow pod: the next payload
-        takes the usual path until it drained). False when the pod's socket failed and the
-        pipe still holds bytes (the caller replaces it)."""
-        left = size
+    def pushed(self, size: int) -> None:
+        """`size` bytes were spliced into the pipe: on into the pod, now or when it can."""
+        self._in_pipe += size
+        self.moved += size
+        self.spliced += size
+        self._flush()
+        if self._in_pipe and self.error is None:
+            self.drained.clear()
+            self._drainer = asyncio.create_task(self._drain(), name="spdysplice pod drain")
+
+    def _flush(self) -> None:
         try:
-            while left:
-                left -= os.splice(r, self.fd, left, flags=_FLAGS)
+            while self._in_pipe:
+                self._in_pipe -= os.splice(self._pipe[0], self.fd, self._in_pipe, flags=_FLAGS)
         except BlockingIOError:
             pass
         except OSError as exc:  # the pod reset or closed its end
             self._fail(str(exc))
-            return False
-        self.spliced += size - left
-        self.moved += size - left
-        if left:
-            self.write(_read_out(r, left))
-        return True
+
+    async def _drain(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while self._in_pipe and self.error is None:
+                await wait_ready(loop.add_writer, loop.remove_writer, self.fd)
+                self._flush()
+        finally:
+            self.drained.set()
 
     def _fail(self, reason: str) -> None:
         if self.error is None:
             self.error = BrokenStreamError(f"pod connection lost: {reason}")
             self.failed.set()
+            self.drained.set()  # nothing will drain: no writer may wait for it
+
+    async def aclose(self) -> None:
+        """Stop draining and close the pipe (what is left in it is lost with the forward)."""
+        if self._drainer is not None:
+            self._drainer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._drainer
+        for fd in self._pipe:
+            os.close(fd)
 
 
 class KernelReads:
@@ -226,7 +266,6 @@ class KernelReads:
         self._shared = shared
         self._pending = pending  # what the transport had read before the hand-over
         self._eof = eof
-        self._pipe = pipe()
         self._readable = ReadWaiter(shared.fd)
 
     @property
@@ -251,33 +290,24 @@ class KernelReads:
             raise BrokenStreamError(f"connection lost: {exc}") from exc
 
     async def splice_payload(self, size: int, sink: PodSink) -> int | None:
-        """Splice up to `size` payload bytes from the session's socket into the pod: the
+        """Splice up to `size` payload bytes from the session's socket into a ready sink: the
         bytes moved (0 at EOF), or None after waiting for the socket."""
-        r, w = self._pipe
         try:
-            n = os.splice(self._shared.fd, w, min(size, PIPE_BYTES), flags=_FLAGS)
+            n = os.splice(self._shared.fd, sink.pipe_in, min(size, PIPE_BYTES), flags=_FLAGS)
         except BlockingIOError:
             await self._wait_readable()
             return None
         except OSError as exc:
             raise BrokenStreamError(f"connection lost: {exc}") from exc
-        if n and not sink.push(r, n):
-            self._replace_pipe()
+        if n:
+            sink.pushed(n)
         return n
 
     async def _wait_readable(self) -> None:
         await self._readable.wait()
 
-    def _replace_pipe(self) -> None:
-        """A pipe with bytes left in it (their pod went away) is of no further use."""
-        for fd in self._pipe:
-            os.close(fd)
-        self._pipe = pipe()
-
     def close(self) -> None:
         self._readable.close()
-        for fd in self._pipe:
-            os.close(fd)
         self._shared.release()
 
 
@@ -413,7 +443,7 @@ async def splice_forward(
         result.b_to_a += n
 
     tasks: set[asyncio.Task[None]] = {
-        asyncio.create_task(_copy_in(a, pod, count_in), name="spdysplice client->pod"),
+        asyncio.create_task(_copy_in(a, pod, sink, count_in), name="spdysplice client->pod"),
         asyncio.create_task(
             _splice_out(a, stream, shared, sink, pending, eof, count_out),
             name="spdysplice pod->client",
@@ -447,6 +477,7 @@ async def splice_forward(
                 await task
         session._detach_sink(stream, sink)
         shared.release()
+        await sink.aclose()
         sock.close()
         result.a_to_b += sink.moved
         await asyncio.gather(a.aclose(), pod.aclose(), return_exceptions=True)
@@ -460,14 +491,24 @@ async def _watch(sink: PodSink) -> None:
     raise sink.target.error(fresh(sink.error))
 
 
-async def _copy_in(a: ByteStream, pod: ByteStream, count: Callable[[int], None]) -> None:
-    """Client → pod for what went the usual way (queued on the stream), then EOF."""
+async def _copy_in(
+    a: ByteStream, pod: ByteStream, sink: PodSink, count: Callable[[int], None]
+) -> None:
+    """Client → pod for what went the usual way (queued on the stream), then EOF; each
+    behind what the sink's pipe still holds."""
     while True:
         chunk = await a.receive(DEFAULT_RECEIVE_BYTES)
-        if not chunk:
-            await pod.send_eof()
-            return
-        await pod.send(chunk)
+        sink.holding = True
+        try:
+            await sink.drained.wait()
+            if sink.error is not None:
+                raise sink.target.error(fresh(sink.error))
+            if not chunk:
+                await pod.send_eof()
+                return
+            await pod.send(chunk)
+        finally:
+            sink.holding = False
         count(len(chunk))
 
 

@@ -28,7 +28,15 @@ from podgate.aio.spdy import SpdySession, SpdyStream
 from podgate.aio.spdysplice import KernelSpliceable, PodSocket, splice_forward
 from podgate.aio.splice import SpliceResult
 from podgate.aio.streams import Buffer, ByteStream, SocketStream, start_server, start_unix_server
-from podgate.proto.spdy import DataReceived, Event, Role, SpdyConnection
+from podgate.proto.spdy import (
+    DataReceived,
+    Event,
+    GoAwayReceived,
+    GoAwayStatus,
+    PingAcknowledged,
+    Role,
+    SpdyConnection,
+)
 from podgate.streaming.hooks import ThrottledStream
 
 MIB = 1024 * 1024
@@ -37,6 +45,8 @@ CHUNK_BYTES = 256 * 1024
 # A hung transfer fails the test instead of hanging it.
 TIMEOUT_SECONDS = 60.0
 WINDOW_BYTES = 1 * MIB  # flow control on: several WINDOW_UPDATEs per transfer
+# Far above the control-frame burst (podgate.aio.spdy.CONTROL_FRAME_BURST).
+FLOOD_PINGS = 20_000
 
 
 @pytest.fixture(params=["asyncio", "uvloop"])
@@ -60,6 +70,12 @@ def pattern(seed: int, size: int) -> bytes:
     return random.Random(seed).randbytes(size)
 
 
+async def open_raw(state: Rig) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    if isinstance(state.address, str):
+        return await asyncio.open_unix_connection(state.address)
+    return await asyncio.open_connection(*state.address)
+
+
 async def until(condition: Callable[[], bool]) -> None:
     """Poll (every 10 ms, within TIMEOUT_SECONDS) until `condition` holds."""
     for _ in range(int(TIMEOUT_SECONDS * 100)):
@@ -77,16 +93,17 @@ PodHandler = Callable[[SocketStream], Awaitable[None]]
 
 
 async def echo(conn: SocketStream) -> None:
-    while chunk := await conn.receive():
-        await conn.send(chunk)
-    await conn.send_eof()
+    with contextlib.suppress(StreamError):  # a forward that fails resets the pod's end
+        while chunk := await conn.receive():
+            await conn.send(chunk)
+        await conn.send_eof()
 
 
 @dataclass
 class Rig:
     """A pod server, a SPDY server forwarding each stream to it, and what they saw."""
 
-    address: tuple[str, int]
+    address: tuple[str, int] | str  # the SPDY server: TCP, or a unix socket's path
     sessions: list[SpdySession] = field(default_factory=list)
     results: list[SpliceResult] = field(default_factory=list)
     pod_received: list[bytes] = field(default_factory=list)
@@ -109,6 +126,7 @@ async def rig(
     *,
     window: int | None = None,
     unix_pod: bool = False,
+    unix_session: bool = False,
     kernel_splice: bool = True,
     wrap: Callable[[ByteStream], ByteStream] = lambda s: s,
 ) -> AsyncIterator[Rig]:
@@ -151,8 +169,13 @@ async def rig(
             finally:
                 await session.aclose()
 
-        server = await start_server(serve, "127.0.0.1", 0)
-        state = Rig(server.sockets[0].getsockname()[:2])
+        if unix_session:
+            session_path = str(Path(tmp) / "spdy.sock")
+            server = await start_unix_server(serve, session_path)
+            state = Rig(session_path)
+        else:
+            server = await start_server(serve, "127.0.0.1", 0)
+            state = Rig(server.sockets[0].getsockname()[:2])
         try:
             yield state
         finally:
@@ -165,7 +188,10 @@ async def rig(
 
 @contextlib.asynccontextmanager
 async def client(state: Rig, window: int | None = None) -> AsyncIterator[SpdySession]:
-    conn = await SocketStream.connect(*state.address)
+    if isinstance(state.address, str):
+        conn = await SocketStream.connect_unix(state.address)
+    else:
+        conn = await SocketStream.connect(*state.address)
     session = SpdySession(conn, Role.CLIENT, flow_control_window=window)
     reader = asyncio.create_task(session.run())
     try:
@@ -202,16 +228,25 @@ async def echo_through(session: SpdySession, seed: int, size: int = TRANSFER_BYT
     await stream.aclose()
 
 
-@pytest.mark.parametrize("unix_pod", [False, True], ids=["tcp-pod", "unix-pod"])
+@pytest.mark.parametrize(
+    ("unix_session", "unix_pod"),
+    [(False, False), (False, True), (True, False)],
+    ids=["tcp-tcp", "tcp-unix", "unix-tcp"],
+)
 @pytest.mark.parametrize("window", [None, WINDOW_BYTES], ids=["no-flow-control", "flow-control"])
 def test_payload_goes_around_python_both_ways(
-    loop_name: str, unix_pod: bool, window: int | None
+    loop_name: str, unix_session: bool, unix_pod: bool, window: int | None
 ) -> None:
-    run_on(loop_name, _payload_goes_around_python_both_ways(unix_pod, window))
+    run_on(loop_name, _payload_goes_around_python_both_ways(unix_session, unix_pod, window))
 
 
-async def _payload_goes_around_python_both_ways(unix_pod: bool, window: int | None) -> None:
-    async with rig(window=window, unix_pod=unix_pod) as state, client(state, window) as session:
+async def _payload_goes_around_python_both_ways(
+    unix_session: bool, unix_pod: bool, window: int | None
+) -> None:
+    async with (
+        rig(window=window, unix_pod=unix_pod, unix_session=unix_session) as state,
+        client(state, window) as session,
+    ):
         async with asyncio.timeout(TIMEOUT_SECONDS):
             await echo_through(session, 1)
         await state.forwards_done()
@@ -283,7 +318,7 @@ async def _frames_split_across_reads_with_control_frames_between() -> None:
             core.ping()
         core.end_stream(sid)
         wire = core.data_to_send()
-        reader, writer = await asyncio.open_connection(*state.address)
+        reader, writer = await open_raw(state)
         async with asyncio.timeout(TIMEOUT_SECONDS):
             pos = 0
             while pos < len(wire):
@@ -381,7 +416,7 @@ async def _client_dying_mid_frame_ends_the_forward() -> None:
     async with rig(counts) as state:
         core = SpdyConnection(Role.CLIENT)
         sid = core.open_stream({"port": "1"})
-        _, writer = await asyncio.open_connection(*state.address)
+        _, writer = await open_raw(state)
         writer.write(core.data_to_send())
         # A DATA header for 4 MiB, then only half of the payload, then the client is gone.
         writer.write(struct.pack(">II", sid, 4 * MIB))
@@ -520,3 +555,46 @@ async def _a_wrapper_keeps_its_bytes_eof_and_errors() -> None:
         assert isinstance(state.results[0].error, ForwardError)
         assert str(state.results[0].error) == "the agent went away"
         assert state.session.spliced_bytes_sent == len(b"pod bytes")
+
+
+def test_control_frame_flood_while_splicing_gets_goaway(loop_name: str) -> None:
+    run_on(loop_name, _control_frame_flood_while_splicing_gets_goaway())
+
+
+async def _control_frame_flood_while_splicing_gets_goaway() -> None:
+    """The session reads its socket itself once a stream splices: control frames are still
+    parsed and charged, and a flood still ends the session with GOAWAY(PROTOCOL_ERROR)."""
+    # A unix socket: over TCP, the server's close with the flood unread is a reset, which may
+    # discard the GOAWAY before the client reads it.
+    async with rig(unix_session=True) as state:
+        loop = asyncio.get_running_loop()
+        core = SpdyConnection(Role.CLIENT)
+        sid = core.open_stream({"port": "1"})
+        core.send_data(sid, pattern(1, 2 * MIB))
+        assert isinstance(state.address, str)
+        sock = socket.socket(socket.AF_UNIX)
+        sock.setblocking(False)
+        await loop.sock_connect(sock, state.address)
+        events: list[Event] = []
+
+        async def read_until_closed() -> None:
+            with contextlib.suppress(OSError):
+                while chunk := await loop.sock_recv(sock, 1 << 16):
+                    events.extend(core.receive_data(chunk))
+
+        with sock:
+            reading = asyncio.create_task(read_until_closed())
+            async with asyncio.timeout(TIMEOUT_SECONDS):
+                await loop.sock_sendall(sock, core.data_to_send())
+                await until(lambda: state.session.spliced_bytes_received > 0)
+                with contextlib.suppress(OSError):  # the server may close on us mid-flood
+                    for _ in range(FLOOD_PINGS // 1000):
+                        for _ in range(1000):
+                            core.ping()
+                        await loop.sock_sendall(sock, core.data_to_send())
+                await reading
+                await state.forwards_done()
+        goaways = [e for e in events if isinstance(e, GoAwayReceived)]
+        assert [g.status for g in goaways] == [GoAwayStatus.PROTOCOL_ERROR]
+        # Far fewer echoes than PINGs: the flood was refused, not served.
+        assert sum(isinstance(e, PingAcknowledged) for e in events) < FLOOD_PINGS // 2

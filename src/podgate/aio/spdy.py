@@ -33,6 +33,7 @@ from podgate.aio.errors import (
     StreamResetError,
     fresh,
 )
+from podgate.aio.ksplice import PIPE_BYTES
 from podgate.aio.spdysplice import BOUNDARY_READ_BYTES, KernelReads, PodSink, SharedSocket
 from podgate.aio.streams import (
     DEFAULT_RECEIVE_BYTES,
@@ -97,6 +98,9 @@ CLIENT_PING_INTERVAL_SECONDS = 5.0
 # Kubernetes' default streaming idle timeout (kubelet, containerd, CRI streaming server). Idle
 # here means no data and no new stream: unlike spdystream, PINGs do not keep a session alive.
 DEFAULT_IDLE_TIMEOUT_SECONDS = 4 * 3600.0
+# How far activity must push the idle deadline before the timer is replaced: an idle session
+# may end this much (at most 1/16 of its timeout) before its full idle time.
+IDLE_DEADLINE_STEP_SECONDS = 1.0
 # How long aclose waits for GOAWAY and the RST_STREAMs to be written before closing anyway.
 CLOSE_DRAIN_SECONDS = 5.0
 # SPDY DATA payload size podgate sends: large frames cost less per byte, and kubectl's
@@ -547,6 +551,7 @@ class SpdySession:
         self._shared_socket: SharedSocket | None = None  # once a stream splices
         self._kernel: KernelReads | None = None  # the session reads its socket itself
         self._sinks = 0  # streams with a pod socket attached
+        self._unyielded = 0  # bytes spliced since the read loop last let others run
         self.spliced_bytes_received = 0  # payload bytes that went around Python, each way
         self.spliced_bytes_sent = 0
 
@@ -572,8 +577,12 @@ class SpdySession:
                     if not data:
                         break
                     # One busy session must not monopolise the loop: let others run between
-                    # reads even when its socket always has more.
-                    await asyncio.sleep(0)
+                    # reads even when its socket always has more (after a read's worth: a
+                    # session that splices reads little more than frame headers).
+                    self._unyielded += len(data)
+                    if self._unyielded >= DEFAULT_RECEIVE_BYTES:
+                        self._unyielded = 0
+                        await asyncio.sleep(0)
         except TimeoutError:
             log.info("%s: idle for %.0f s, closing", self.name, self._idle_timeout or 0)
             reason = TimeoutError("idle timeout")
@@ -618,8 +627,12 @@ class SpdySession:
                     return b""  # EOF inside a frame
                 self.spliced_bytes_received += sink.spliced - spliced
                 await self._payload_spliced(stream, moved)
-                # One busy session must not monopolise the loop (as in run).
-                await asyncio.sleep(0)
+                # One busy session must not monopolise the loop (as in run); a yield per
+                # pipe's worth, not per frame (a Go peer's frames are 32 KiB).
+                self._unyielded += moved
+                if self._unyielded >= PIPE_BYTES:
+                    self._unyielded = 0
+                    await asyncio.sleep(0)
                 return None
             size = min(progress.remaining, DEFAULT_RECEIVE_BYTES)
         return await kernel.recv(size)
@@ -916,10 +929,19 @@ class SpdySession:
 
     def _touch(self) -> None:
         """Data moved or a stream opened: push the idle deadline out. Only that counts as
-        activity; PINGs do not, or a client that pings would hold an unused session for ever."""
+        activity; PINGs do not, or a client that pings would hold an unused session for ever.
+
+        Moved in steps (IDLE_DEADLINE_STEP_SECONDS, or 1/16 of a short timeout): rescheduling
+        replaces a timer, and a busy session touches thousands of times a second."""
         timeout = self._timeout
-        if timeout is not None and self._idle_timeout is not None and not timeout.expired():
-            timeout.reschedule(self._loop.time() + self._idle_timeout)
+        idle = self._idle_timeout
+        if timeout is None or idle is None or timeout.expired():
+            return
+        deadline = self._loop.time() + idle
+        when = timeout.when()
+        if when is not None and deadline - when < min(IDLE_DEADLINE_STEP_SECONDS, idle / 16):
+            return
+        timeout.reschedule(deadline)
 
     def _forget(self, stream_id: int) -> None:
         stream = self._streams.get(stream_id)

@@ -393,7 +393,8 @@ class KernelSpliceable(ABC):
 
     @abstractmethod
     def pod_socket(self) -> PodSocket:
-        """The socket and the wrapper's semantics; the wrapper is not read after this."""
+        """The socket and the wrapper's semantics (no side effect: asking twice gives the
+        same); once a splice took it, the wrapper is not read any more."""
 
 
 def _pod_socket(pod: ByteStream) -> PodSocket | None:
@@ -404,15 +405,22 @@ def _pod_socket(pod: ByteStream) -> PodSocket | None:
     return None
 
 
-def can_splice(stream: SpdyStream, pod: ByteStream) -> bool:
-    """Whether `splice_forward` would take the kernel path for this pair."""
+def _spliceable(stream: SpdyStream, pod: ByteStream) -> PodSocket | None:
+    """The pod's socket when `splice_forward` takes the kernel path for this pair."""
     target = _pod_socket(pod)
-    return (
+    if (
         target is not None
         and target.stream.can_take_reading()
         and not target.stream.eof_sent
         and stream.session.can_splice
-    )
+    ):
+        return target
+    return None
+
+
+def can_splice(stream: SpdyStream, pod: ByteStream) -> bool:
+    """Whether `splice_forward` would take the kernel path for this pair."""
+    return _spliceable(stream, pod) is not None
 
 
 async def splice_forward(
@@ -425,10 +433,9 @@ async def splice_forward(
     """podgate.aio.splice.splice(a, pod), with the payload spliced in the kernel where both
     ends allow it. `a` is the SPDY stream `stream` (or a wrapper of it that only adds to its
     EOF); the results, EOF and error semantics are splice's."""
-    if not can_splice(stream, pod):
+    target = _spliceable(stream, pod)
+    if target is None:
         return await splice(a, pod, grace=grace)
-    target = _pod_socket(pod)
-    assert target is not None
     session = stream.session
     sock, pending, eof = target.stream.take_reading()
     pending = target.pending + pending

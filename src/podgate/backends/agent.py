@@ -223,8 +223,7 @@ class _AgentStream(ByteStream, KernelSpliceable):
         return data
 
     def pod_socket(self) -> PodSocket:
-        pending, self._pending = self._pending, b""
-        return PodSocket(self._inner, pending, self._check_eof, self._lost)
+        return PodSocket(self._inner, self._pending, self._check_eof, self._lost)
 
     async def _check_eof(self) -> None:
         if (why := await self._broken()) is not None:

@@ -34,7 +34,7 @@ from podgate.aio.errors import (
     fresh,
 )
 from podgate.aio.ksplice import PIPE_BYTES
-from podgate.aio.spdysplice import BOUNDARY_READ_BYTES, KernelReads, PodSink, SharedSocket
+from podgate.aio.spdysplice import KernelReads, PodSink, SharedSocket
 from podgate.aio.streams import (
     DEFAULT_RECEIVE_BYTES,
     Buffer,
@@ -613,7 +613,9 @@ class SpdySession:
             # transport has read already.
             pending, eof = wire.stop_reading()
             kernel = self._kernel = KernelReads(self._shared_socket.acquire(), pending, eof)
-        size = BOUNDARY_READ_BYTES if self._sinks else DEFAULT_RECEIVE_BYTES
+        # While a stream splices, read a frame header or a control frame exactly: the next
+        # DATA payload is then spliced whole, none of it through Python.
+        size = self._core.bytes_wanted() if self._sinks else DEFAULT_RECEIVE_BYTES
         progress = self._core.data_in_progress()
         if progress is not None and not kernel.buffered:
             stream = self._streams.get(progress.stream_id) if progress.deliver else None

@@ -5,11 +5,12 @@ its SpdyStream, and a copy task writes it into the pod's socket (and the reverse
 session's wire is a plain socket (TCP or unix: no TLS, no WebSocket tunnel) and the pod side of
 a forward is one too, `splice_forward` lets the payload go around Python:
 
-- client → pod: the session reads its socket itself (its transport stops reading), with small
-  reads at frame boundaries. Inside the payload of a DATA frame whose stream's pod socket is
-  ready, the bytes go client socket → pipe → pod socket with os.splice, and the SPDY core is
-  told how many went around it (SpdyConnection.skip_data): windows, FIN and stream state stay
-  exact. A payload piece that came with a frame header is written to the pod socket directly.
+- client → pod: the session reads its socket itself (its transport stops reading), frame
+  headers and control frames exactly (SpdyConnection.bytes_wanted). Inside the payload of a
+  DATA frame whose stream's pod socket is ready, the bytes go client socket → pipe → pod
+  socket with os.splice, and the SPDY core is told how many went around it
+  (SpdyConnection.skip_data): windows, FIN and stream state stay exact. Payload that did come
+  through Python (read before a stream spliced) is written to the pod socket directly.
 - pod → client: the pod socket is spliced into a pipe (n bytes); then, once the session's
   transport holds nothing unsent, the DATA header for n bytes and the pipe go into the client's
   socket within one callback. What the socket does not take at once is read out of the pipe and
@@ -48,7 +49,6 @@ if TYPE_CHECKING:
     from podgate.aio.spdy import SpdySession, SpdyStream
 
 __all__ = [
-    "BOUNDARY_READ_BYTES",
     "KernelReads",
     "KernelSpliceable",
     "PodSink",
@@ -60,10 +60,6 @@ __all__ = [
 ]
 
 _FLAGS: Final = os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK
-# What the session reads at a frame boundary while a stream splices: a frame header, a
-# control frame or a small DATA frame whole, yet of a large frame's payload only this much
-# enters Python (3 % of a Go peer's 32 KiB frame, 0.4 % of podgate's 256 KiB ones).
-BOUNDARY_READ_BYTES: Final = 1024
 
 
 def _read_out(r: int, size: int) -> bytes:

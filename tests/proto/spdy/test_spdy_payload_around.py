@@ -211,3 +211,24 @@ def test_skipping_any_part_matches_feeding_everything(
     if window is not None and skipping.stream_state(sid) is not StreamState.CLOSED:
         assert skipping.receive_window(sid) == fed.receive_window(sid)
     assert not any(isinstance(e, StreamReset) for e in events)
+
+
+def test_bytes_wanted_completes_headers_control_frames_and_payloads() -> None:
+    client, server, sid = opened()
+    assert server.bytes_wanted() == 8  # a boundary: a frame header
+    client.ping()
+    ping = client.data_to_send()  # 8-byte header + 4-byte id
+    server.receive_data(ping[:3])
+    assert server.bytes_wanted() == 5
+    server.receive_data(ping[3:8])
+    assert server.bytes_wanted() == 4  # the PING's body
+    assert [type(e) for e in server.receive_data(ping[8:])] == [PingReceived]
+    assert server.bytes_wanted() == 8
+    client.send_data(sid, b"d" * 300)
+    data = client.data_to_send()
+    server.receive_data(data[:8])
+    assert server.bytes_wanted() == 300  # the DATA payload
+    server.receive_data(data[8:108])
+    assert server.bytes_wanted() == 200
+    server.skip_data(200)
+    assert server.bytes_wanted() == 8

@@ -489,6 +489,20 @@ class SpdyConnection:
             deliver = TRANSITIONS[state, StreamInput.RECV_DATA][1] is Reaction.ACCEPT
         return DataInProgress(self._data_stream, self._data_remaining, deliver)
 
+    def bytes_wanted(self) -> int:
+        """How many input bytes would complete what the input stands in: the rest of a frame
+        header (FRAME_HEADER_LENGTH at a boundary), of a control frame, or of the current DATA
+        payload. A driver that splices payload reads no further than this, so that no payload
+        of the next frame enters Python."""
+        if self._data_remaining:
+            return self._data_remaining
+        buffered = len(self._inbuf)
+        if buffered < FRAME_HEADER_LENGTH:
+            return FRAME_HEADER_LENGTH - buffered
+        # Only a control frame is ever left buffered past its header (DATA payload streams).
+        header = decode_frame_header(memoryview(self._inbuf), 0)
+        return FRAME_HEADER_LENGTH + header.length - buffered
+
     def skip_data(self, size: int) -> list[Event]:
         """Count `size` payload bytes of the current DATA frame as delivered by the driver
         (they never reach receive_data). Ends the frame when they were its last; its FIN then

@@ -277,9 +277,10 @@ class SpdyStream(ByteStream):
             self._writable.set()
         return chunk
 
-    def _sink_ready(self) -> PodSink | None:
-        """The stream's pod socket, when payload may be written into it at once: nothing of
-        the stream is queued here or unsent there, so nothing can be overtaken."""
+    def _sink_ready(self, *, splicing: bool = False) -> PodSink | None:
+        """The stream's pod socket, when payload may go into it at once: nothing of the
+        stream is queued here or unsent there, so nothing can be overtaken. `splicing`: into
+        the sink's pipe, behind what it still holds (a write must find it empty)."""
         sink = self._sink
         if (
             sink is None
@@ -287,7 +288,7 @@ class SpdyStream(ByteStream):
             or self._closed
             or self._reset is not None
             or self._fin_received
-            or not sink.ready()
+            or not sink.ready(splicing=splicing)
         ):
             return None
         return sink
@@ -619,7 +620,7 @@ class SpdySession:
         progress = self._core.data_in_progress()
         if progress is not None and not kernel.buffered:
             stream = self._streams.get(progress.stream_id) if progress.deliver else None
-            sink = stream._sink_ready() if stream is not None else None
+            sink = stream._sink_ready(splicing=True) if stream is not None else None
             if stream is not None and sink is not None:
                 spliced = sink.spliced
                 moved = await kernel.splice_payload(progress.remaining, sink)

@@ -183,18 +183,28 @@ class PodSink:
         # The copy task took a queued chunk and has not written it yet: later payload must
         # not overtake it.
         self.holding = False
+        # The pipe took no more though the session's socket had bytes (its capacity counts
+        # pages, not bytes): not ready to splice until it drained some.
+        self.full = False
 
     @property
     def pipe_in(self) -> int:
         """The pipe's write end, for a splice from the session's socket (only when ready)."""
         return self._pipe[1]
 
-    def ready(self) -> bool:
-        """Whether a write now goes straight to the socket, behind everything sent before."""
+    @property
+    def room(self) -> int:
+        """Bytes the pipe may still take (at most: see `full`)."""
+        return PIPE_BYTES - self._in_pipe
+
+    def ready(self, *, splicing: bool = False) -> bool:
+        """Whether payload may go on now, behind everything sent before: a write straight
+        to the socket (the pipe must be empty), or with `splicing` into the pipe (it must have
+        room: FIFO, so behind what it holds)."""
         pod = self.pod
         return (
             self.error is None
-            and not self._in_pipe
+            and (self._in_pipe < PIPE_BYTES and not self.full if splicing else not self._in_pipe)
             and not self.holding
             and not pod.eof_sent
             and not pod.write_buffer_size
@@ -216,7 +226,7 @@ class PodSink:
         self.moved += size
         self.spliced += size
         self._flush()
-        if self._in_pipe and self.error is None:
+        if self._in_pipe and self.error is None and self.drained.is_set():
             self.drained.clear()
             self._drainer = asyncio.create_task(self._drain(), name="spdysplice pod drain")
 
@@ -224,6 +234,7 @@ class PodSink:
         try:
             while self._in_pipe:
                 self._in_pipe -= os.splice(self._pipe[0], self.fd, self._in_pipe, flags=_FLAGS)
+                self.full = False
         except BlockingIOError:
             pass
         except OSError as exc:  # the pod reset or closed its end
@@ -289,9 +300,12 @@ class KernelReads:
         """Splice up to `size` payload bytes from the session's socket into a ready sink: the
         bytes moved (0 at EOF), or None after waiting for the socket."""
         try:
-            n = os.splice(self._shared.fd, sink.pipe_in, min(size, PIPE_BYTES), flags=_FLAGS)
+            n = os.splice(self._shared.fd, sink.pipe_in, min(size, sink.room), flags=_FLAGS)
         except BlockingIOError:
-            await self._wait_readable()
+            if sink.room < PIPE_BYTES and self._has_bytes():
+                sink.full = True  # the pipe, not the socket, said no: take the usual way
+            else:
+                await self._wait_readable()
             return None
         except OSError as exc:
             raise BrokenStreamError(f"connection lost: {exc}") from exc
@@ -301,6 +315,16 @@ class KernelReads:
 
     async def _wait_readable(self) -> None:
         await self._readable.wait()
+
+    def _has_bytes(self) -> bool:
+        """Whether the session's socket has bytes (or EOF) to read now."""
+        try:
+            self._shared.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True  # the read that follows reports it
+        return True
 
     def close(self) -> None:
         self._readable.close()

@@ -11,6 +11,11 @@ With flow control (`flow_control_window`, only when the peer is podgate) each st
 waits for window instead, and the receiver hands window back as the application reads. The
 peer can never have more than one window of unread data on a stream, so the read loop never
 waits for a stream and one stalled stream costs at most its window of memory.
+
+With `kernel_splice` (port-forward over a plain socket), a stream whose payload goes to a pod
+socket has the session read its socket itself and splice DATA payloads around Python
+(podgate.aio.spdysplice); everything above stays as described, for the bytes that still come
+this way.
 """
 
 from __future__ import annotations

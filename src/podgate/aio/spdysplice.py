@@ -17,9 +17,10 @@ a forward is one too, `splice_forward` lets the payload go around Python:
   handed to the transport behind the header, so nothing interleaves inside a frame.
 
 A pod socket is "ready" when nothing of its stream waits anywhere else: no chunk queued on the
-SpdyStream, nothing unsent in the pod's transport. When it is not (a slow pod), bytes take the
-usual path with all its budgets, stall resets and flow control, and the fast path resumes once
-that path has drained. A copy task still carries that path and the client's EOF and errors into
+SpdyStream, nothing unsent in the pod's transport, room in its pipe (what a busy pod socket did
+not take stays there and is spliced when the socket is writable). When it is not (a slow pod),
+bytes take the usual path with all its budgets, stall resets and flow control, and the fast
+path resumes once that path has drained. A copy task still carries that path and the client's EOF and errors into
 the pod, exactly as podgate.aio.splice does, so every end of a forward behaves as before.
 """
 

@@ -20,8 +20,9 @@ A pod socket is "ready" when nothing of its stream waits anywhere else: no chunk
 SpdyStream, nothing unsent in the pod's transport, room in its pipe (what a busy pod socket did
 not take stays there and is spliced when the socket is writable). When it is not (a slow pod),
 bytes take the usual path with all its budgets, stall resets and flow control, and the fast
-path resumes once that path has drained. A copy task still carries that path and the client's EOF and errors into
-the pod, exactly as podgate.aio.splice does, so every end of a forward behaves as before.
+path resumes once that path has drained. A copy task still carries that path and the client's
+EOF and errors into the pod, exactly as podgate.aio.splice does, so every end of a forward
+behaves as before.
 """
 
 from __future__ import annotations

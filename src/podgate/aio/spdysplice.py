@@ -179,6 +179,7 @@ class PodSink:
         self.failed = asyncio.Event()
         self.drained = asyncio.Event()  # the pipe is empty
         self.drained.set()
+        self._progress = asyncio.Event()  # the pipe gave some bytes to the pod
         self._pipe = pipe()
         self._in_pipe = 0
         self._drainer: asyncio.Task[None] | None = None
@@ -232,11 +233,29 @@ class PodSink:
             self.drained.clear()
             self._drainer = asyncio.create_task(self._drain(), name="spdysplice pod drain")
 
+    async def put(self, data: bytes) -> memoryview:
+        """For the copy task: queue `data` into the pipe behind what it holds (the pipe is the
+        one ordered way into the pod while it holds bytes, and taking the chunk now lets the
+        stream's window go back at the pace a slow pod reads); returns the part left once the
+        pipe is empty, which goes through the transport."""
+        view = memoryview(data)
+        while view and self._in_pipe and self.error is None:
+            try:
+                n = os.write(self._pipe[1], view)
+            except BlockingIOError:
+                self._progress.clear()
+                await self._progress.wait()
+                continue
+            self._in_pipe += n  # a drain task runs while the pipe holds bytes
+            view = view[n:]
+        return view
+
     def _flush(self) -> None:
         try:
             while self._in_pipe:
                 self._in_pipe -= os.splice(self._pipe[0], self.fd, self._in_pipe, flags=_FLAGS)
                 self.full = False
+                self._progress.set()
         except BlockingIOError:
             pass
         except OSError as exc:  # the pod reset or closed its end
@@ -250,12 +269,14 @@ class PodSink:
                 self._flush()
         finally:
             self.drained.set()
+            self._progress.set()
 
     def _fail(self, reason: str) -> None:
         if self.error is None:
             self.error = BrokenStreamError(f"pod connection lost: {reason}")
             self.failed.set()
             self.drained.set()  # nothing will drain: no writer may wait for it
+            self._progress.set()
 
     async def aclose(self) -> None:
         """Stop draining and close the pipe (what is left in it is lost with the forward)."""
@@ -524,18 +545,21 @@ async def _copy_in(
     a: ByteStream, pod: ByteStream, sink: PodSink, count: Callable[[int], None]
 ) -> None:
     """Client → pod for what went the usual way (queued on the stream), then EOF; each
-    behind what the sink's pipe still holds."""
+    behind what the sink's pipe still holds (into the pipe while it holds bytes)."""
     while True:
         chunk = await a.receive(DEFAULT_RECEIVE_BYTES)
         sink.holding = True
         try:
-            await sink.drained.wait()
+            rest = await sink.put(chunk) if chunk else None
+            if rest is None:  # EOF: after everything the pipe holds
+                await sink.drained.wait()
             if sink.error is not None:
                 raise sink.target.error(fresh(sink.error))
-            if not chunk:
+            if rest is None:
                 await pod.send_eof()
                 return
-            await pod.send(chunk)
+            if rest:
+                await pod.send(rest)
         finally:
             sink.holding = False
         count(len(chunk))

@@ -23,8 +23,14 @@ from pathlib import Path
 import pytest
 import uvloop
 
-from podgate.aio.errors import BrokenStreamError, ForwardError, StreamError, StreamResetError
-from podgate.aio.spdy import SpdySession, SpdyStream
+from podgate.aio.errors import (
+    BrokenStreamError,
+    ForwardError,
+    StalledStreamError,
+    StreamError,
+    StreamResetError,
+)
+from podgate.aio.spdy import STALLED_STREAM_RESET_SECONDS, SpdySession, SpdyStream
 from podgate.aio.spdysplice import KernelSpliceable, PodSocket, splice_forward
 from podgate.aio.splice import SpliceResult
 from podgate.aio.streams import Buffer, ByteStream, SocketStream, start_server, start_unix_server
@@ -128,6 +134,7 @@ async def rig(
     unix_pod: bool = False,
     unix_session: bool = False,
     kernel_splice: bool = True,
+    stalled_reset_seconds: float = STALLED_STREAM_RESET_SECONDS,
     wrap: Callable[[ByteStream], ByteStream] = lambda s: s,
 ) -> AsyncIterator[Rig]:
     with tempfile.TemporaryDirectory() as tmp:
@@ -162,6 +169,7 @@ async def rig(
                 on_stream=on_stream,
                 flow_control_window=window,
                 kernel_splice=kernel_splice,
+                stalled_reset_seconds=stalled_reset_seconds,
             )
             state.sessions.append(session)
             try:
@@ -598,3 +606,37 @@ async def _control_frame_flood_while_splicing_gets_goaway() -> None:
         assert [g.status for g in goaways] == [GoAwayStatus.PROTOCOL_ERROR]
         # Far fewer echoes than PINGs: the flood was refused, not served.
         assert sum(isinstance(e, PingAcknowledged) for e in events) < FLOOD_PINGS // 2
+
+
+def test_a_pod_that_never_reads_is_reset_as_a_stalled_stream(loop_name: str) -> None:
+    run_on(loop_name, _a_pod_that_never_reads_is_reset_as_a_stalled_stream())
+
+
+async def _a_pod_that_never_reads_is_reset_as_a_stalled_stream() -> None:
+    """Without flow control the pipe and the socket buffers fill, payload queues the usual way,
+    and a queue unread for the stall time resets the stream (the session reads on)."""
+    hold = asyncio.Event()
+
+    async def never_reads(conn: SocketStream) -> None:
+        await hold.wait()
+
+    async with rig(never_reads, stalled_reset_seconds=1.0) as state, client(state) as session:
+        stream = await session.open_stream({"port": "1"})
+        data = pattern(8, MIB)
+
+        async def send_forever() -> None:
+            with contextlib.suppress(StreamError):
+                for _ in range(256):  # far beyond pipe, socket buffers and stream budget
+                    await stream.send(data)
+
+        sending = asyncio.create_task(send_forever())
+        try:
+            async with asyncio.timeout(TIMEOUT_SECONDS):
+                await state.forwards_done()
+        finally:
+            hold.set()
+            sending.cancel()
+            await asyncio.gather(sending, return_exceptions=True)
+        assert isinstance(state.results[0].error, StalledStreamError)
+        assert state.session.spliced_bytes_received > 0
+        assert state.session.broken is None

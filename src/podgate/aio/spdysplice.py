@@ -36,7 +36,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
-from podgate.aio.errors import BrokenStreamError, ClosedStreamError, StreamError, fresh
+from podgate.aio.errors import (
+    BrokenStreamError,
+    ClosedStreamError,
+    StalledStreamError,
+    StreamError,
+    fresh,
+)
 from podgate.aio.ksplice import PIPE_BYTES, pipe, wait_ready
 from podgate.aio.splice import HALF_CLOSE_GRACE_SECONDS, SpliceResult, splice
 from podgate.aio.streams import (
@@ -499,7 +505,7 @@ async def splice_forward(
             name="spdysplice pod->client",
         ),
     }
-    watcher = asyncio.create_task(_watch(sink), name="spdysplice pod watch")
+    watcher = asyncio.create_task(_watch(stream, sink), name="spdysplice pod watch")
     try:
         pending_tasks = set(tasks)
         while pending_tasks:
@@ -534,9 +540,20 @@ async def splice_forward(
     return result
 
 
-async def _watch(sink: PodSink) -> None:
-    """Ends the forward when a spliced write found the pod gone."""
-    await sink.failed.wait()
+async def _watch(stream: SpdyStream, sink: PodSink) -> None:
+    """Ends the forward when a spliced write found the pod gone, or when the stream was reset
+    as stalled: the copy task may be the one waiting (on a pod that does not read), and would
+    never read the stream to learn of it. Never returns otherwise."""
+    failed = asyncio.ensure_future(sink.failed.wait())
+    ended = asyncio.ensure_future(stream._ended.wait())
+    try:
+        await asyncio.wait({failed, ended}, return_when=asyncio.FIRST_COMPLETED)
+        if not failed.done() and isinstance(stream._reset, StalledStreamError):
+            raise fresh(stream._reset)
+        await failed
+    finally:
+        failed.cancel()
+        ended.cancel()
     assert sink.error is not None
     raise sink.target.error(fresh(sink.error))
 

@@ -29,7 +29,7 @@ from podgate.aio.errors import BrokenStreamError
 from podgate.aio.splice import HALF_CLOSE_GRACE_SECONDS, SpliceResult, splice
 from podgate.aio.streams import ByteStream, SocketStream
 
-__all__ = ["COPY_BYTES", "PIPE_BYTES", "splice_sockets", "wait_ready"]
+__all__ = ["COPY_BYTES", "PIPE_BYTES", "pipe", "splice_sockets", "wait_ready"]
 
 # The pipe between the sockets: bytes moved per pair of splice calls. The kernel caps it at
 # /proc/sys/fs/pipe-max-size for unprivileged processes (1 MiB by default).
@@ -43,7 +43,8 @@ COPY_BYTES: Final = 256 * 1024
 _TCP_FAMILIES: Final = (socket.AF_INET, socket.AF_INET6)
 
 
-def _pipe() -> tuple[int, int]:
+def pipe() -> tuple[int, int]:
+    """A non-blocking pipe of PIPE_BYTES (or the most the kernel allows)."""
     r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     with contextlib.suppress(OSError):  # a smaller pipe still works, at more calls per GB
         fcntl.fcntl(w, F_SETPIPE_SZ, PIPE_BYTES)
@@ -89,7 +90,7 @@ async def _pump(
 
 async def _splice(src: socket.socket, dst: socket.socket, count: Callable[[int], None]) -> None:
     loop = asyncio.get_running_loop()
-    r, w = _pipe()
+    r, w = pipe()
     try:
         while True:
             try:

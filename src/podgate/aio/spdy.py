@@ -11,6 +11,11 @@ With flow control (`flow_control_window`, only when the peer is podgate) each st
 waits for window instead, and the receiver hands window back as the application reads. The
 peer can never have more than one window of unread data on a stream, so the read loop never
 waits for a stream and one stalled stream costs at most its window of memory.
+
+With `kernel_splice` (port-forward over a plain socket), a stream whose payload goes to a pod
+socket has the session read its socket itself and splice DATA payloads around Python
+(podgate.aio.spdysplice); everything above stays as described, for the bytes that still come
+this way.
 """
 
 from __future__ import annotations
@@ -33,10 +38,13 @@ from podgate.aio.errors import (
     StreamResetError,
     fresh,
 )
+from podgate.aio.ksplice import PIPE_BYTES
+from podgate.aio.spdysplice import KernelReads, PodSink, SharedSocket
 from podgate.aio.streams import (
     DEFAULT_RECEIVE_BYTES,
     Buffer,
     ByteStream,
+    SocketStream,
     Wire,
     drain_unless_ended,
 )
@@ -95,6 +103,9 @@ CLIENT_PING_INTERVAL_SECONDS = 5.0
 # Kubernetes' default streaming idle timeout (kubelet, containerd, CRI streaming server). Idle
 # here means no data and no new stream: unlike spdystream, PINGs do not keep a session alive.
 DEFAULT_IDLE_TIMEOUT_SECONDS = 4 * 3600.0
+# How far activity must push the idle deadline before the timer is replaced: an idle session
+# may end this much (at most 1/16 of its timeout) before its full idle time.
+IDLE_DEADLINE_STEP_SECONDS = 1.0
 # How long aclose waits for GOAWAY and the RST_STREAMs to be written before closing anyway.
 CLOSE_DRAIN_SECONDS = 5.0
 # SPDY DATA payload size podgate sends: large frames cost less per byte, and kubectl's
@@ -201,6 +212,8 @@ class SpdyStream(ByteStream):
         self._consumed = 0  # flow control: bytes read by the application, window not yet returned
         self.bytes_received = 0
         self.bytes_sent = 0
+        # The pod socket this stream's payload is spliced into (podgate.aio.spdysplice).
+        self._sink: PodSink | None = None
 
     def __repr__(self) -> str:
         return f"<SpdyStream {self.stream_id} {self.headers}>"
@@ -268,6 +281,31 @@ class SpdyStream(ByteStream):
         elif self._queued <= MAX_QUEUED_BYTES_PER_STREAM:
             self._writable.set()
         return chunk
+
+    def _sink_ready(self, *, splicing: bool = False) -> PodSink | None:
+        """The stream's pod socket, when payload may go into it at once: nothing of the
+        stream is queued here or unsent there, so nothing can be overtaken. `splicing`: into
+        the sink's pipe, behind what it still holds (a write must find it empty)."""
+        sink = self._sink
+        if (
+            sink is None
+            or self._chunks
+            or self._closed
+            or self._reset is not None
+            or self._fin_received
+            or not sink.ready(splicing=splicing)
+        ):
+            return None
+        return sink
+
+    def _consumed_outside(self, size: int) -> None:
+        """`size` payload bytes reached the pod without the queue (spliced or written)."""
+        self.bytes_received += size
+        self._last_read = self.session._loop.time()
+        if self.session._update_threshold:
+            self._consumed += size
+            if self._consumed >= self.session._update_threshold:
+                self._return_window()
 
     def _return_window(self) -> None:
         session = self.session
@@ -465,13 +503,16 @@ class SpdySession:
         max_streams: int = MAX_STREAMS_PER_SESSION,
         control_budget: ControlBudget | None = None,
         on_flood: Callable[[], None] | None = None,
+        kernel_splice: bool = False,
     ) -> None:
         """`flow_control_window`: per-stream flow control with this window each way, for a
         peer known to do the same (see the module docstring); None for every Kubernetes peer.
         `stalled_reset_seconds`: see STALLED_STREAM_RESET_SECONDS.
         `max_streams`: streams open at once before the peer's next one is refused.
         `control_budget`: the peer's control frames are charged here (default: a bucket of
-        this session's own). `on_flood`: called when the session is ended for a flood."""
+        this session's own). `on_flood`: called when the session is ended for a flood.
+        `kernel_splice`: streams may splice their payload to a pod socket in the kernel
+        (podgate.aio.spdysplice), when the wire is a plain socket."""
         if max_streams < 1:
             raise ValueError("max_streams must be positive")
         self.stalled_reset_seconds = stalled_reset_seconds
@@ -511,6 +552,14 @@ class SpdySession:
             None if self._update_threshold else _process_queue(self._loop)
         )
         self._on_flood = on_flood
+        # Kernel splicing (podgate.aio.spdysplice): only over a plain socket.
+        self._socket_wire = wire if kernel_splice and isinstance(wire, SocketStream) else None
+        self._shared_socket: SharedSocket | None = None  # once a stream splices
+        self._kernel: KernelReads | None = None  # the session reads its socket itself
+        self._sinks = 0  # streams with a pod socket attached
+        self._unyielded = 0  # bytes spliced since the read loop last let others run
+        self.spliced_bytes_received = 0  # payload bytes that went around Python, each way
+        self.spliced_bytes_sent = 0
 
     # -- lifecycle
     async def run(self) -> None:
@@ -523,7 +572,9 @@ class SpdySession:
             async with asyncio.timeout(None) as self._timeout:
                 self._touch()
                 while not self.goaway_received:
-                    data = await self._wire.receive()
+                    data = await self._read()
+                    if data is None:  # payload went around Python, or a wait: look again
+                        continue
                     # Only data and new streams count as activity (see _dispatch).
                     reason = await self._feed(data)
                     if reason is not None:
@@ -532,8 +583,12 @@ class SpdySession:
                     if not data:
                         break
                     # One busy session must not monopolise the loop: let others run between
-                    # reads even when its socket always has more.
-                    await asyncio.sleep(0)
+                    # reads even when its socket always has more (after a read's worth: a
+                    # session that splices reads little more than frame headers).
+                    self._unyielded += len(data)
+                    if self._unyielded >= DEFAULT_RECEIVE_BYTES:
+                        self._unyielded = 0
+                        await asyncio.sleep(0)
         except TimeoutError:
             log.info("%s: idle for %.0f s, closing", self.name, self._idle_timeout or 0)
             reason = TimeoutError("idle timeout")
@@ -547,8 +602,57 @@ class SpdySession:
             self._timeout = None  # finished: writes after the end must not reschedule it
             if pinger is not None:
                 pinger.cancel()
+            if self._kernel is not None:
+                self._kernel.close()
             self._teardown(reason)
             self.done.set()
+
+    async def _read(self) -> bytes | None:
+        """The next read to parse; None when there is none to parse yet (the payload of a
+        DATA frame was spliced to its pod, or the socket had to be waited for)."""
+        kernel = self._kernel
+        if kernel is None:
+            wire = self._socket_wire
+            if self._shared_socket is None or wire is None or not wire.can_take_reading():
+                return await self._wire.receive()
+            # A stream splices: read the socket ourselves from now on, after what the
+            # transport has read already.
+            pending, eof = wire.stop_reading()
+            kernel = self._kernel = KernelReads(self._shared_socket.acquire(), pending, eof)
+        # While a stream splices, read a frame header or a control frame exactly: the next
+        # DATA payload is then spliced whole, none of it through Python.
+        size = self._core.bytes_wanted() if self._sinks else DEFAULT_RECEIVE_BYTES
+        progress = self._core.data_in_progress()
+        if progress is not None and not kernel.buffered:
+            stream = self._streams.get(progress.stream_id) if progress.deliver else None
+            sink = stream._sink_ready(splicing=True) if stream is not None else None
+            if stream is not None and sink is not None:
+                spliced = sink.spliced
+                moved = await kernel.splice_payload(progress.remaining, sink)
+                if moved is None:
+                    return None
+                if moved == 0:
+                    return b""  # EOF inside a frame
+                self.spliced_bytes_received += sink.spliced - spliced
+                await self._payload_spliced(stream, moved)
+                # One busy session must not monopolise the loop (as in run); a yield per
+                # pipe's worth, not per frame (a Go peer's frames are 32 KiB).
+                self._unyielded += moved
+                if self._unyielded >= PIPE_BYTES:
+                    self._unyielded = 0
+                    await asyncio.sleep(0)
+                return None
+            size = min(progress.remaining, DEFAULT_RECEIVE_BYTES)
+        return await kernel.recv(size)
+
+    async def _payload_spliced(self, stream: SpdyStream, size: int) -> None:
+        """`size` payload bytes of the current DATA frame went from our socket to the pod."""
+        self._touch()
+        events = self._core.skip_data(size)
+        stream._consumed_outside(size)
+        for event in events:
+            await self._dispatch(event)
+        self._flush()
 
     async def _feed(self, data: bytes) -> ProtocolError | None:
         """Parse and dispatch one read; the error that ends the session, if any.
@@ -655,7 +759,15 @@ class SpdySession:
             self._touch()  # the peer's pings (every 5 s from client-go) are not activity
         if isinstance(event, DataReceived):
             stream = self._streams.get(event.stream_id)
-            if stream is not None:
+            if stream is None:
+                return
+            sink = stream._sink_ready() if event.data else None
+            if sink is not None:  # the pod takes it now: no queue, no copy task
+                sink.write(event.data)
+                stream._consumed_outside(len(event.data))
+                if event.fin:
+                    await stream._feed(b"", True)
+            else:
                 await stream._feed(event.data, event.fin)
         elif isinstance(event, StreamOpened):
             stream = SpdyStream(self, event.stream_id, event.headers)
@@ -797,12 +909,47 @@ class SpdySession:
                 if self._process is not None:
                     self._process.parked.discard(self)
 
+    # -- kernel splicing (podgate.aio.spdysplice)
+    @property
+    def can_splice(self) -> bool:
+        """Whether a stream may splice its payload to a pod socket: a plain socket wire."""
+        wire = self._socket_wire
+        return (
+            wire is not None
+            and self.broken is None
+            and (self._shared_socket is not None or wire.can_take_reading())
+        )
+
+    def _attach_sink(self, stream: SpdyStream, sink: PodSink) -> SharedSocket:
+        """From now on `stream`'s payload may go to `sink` around Python. Returns the shared
+        socket for the caller's spliced frames (released by the caller)."""
+        if self._shared_socket is None:
+            assert self._socket_wire is not None
+            self._shared_socket = SharedSocket(self._socket_wire.duplicate_socket())
+        stream._sink = sink
+        self._sinks += 1
+        return self._shared_socket.acquire()
+
+    def _detach_sink(self, stream: SpdyStream, sink: PodSink) -> None:
+        if stream._sink is sink:
+            stream._sink = None
+        self._sinks -= 1
+
     def _touch(self) -> None:
         """Data moved or a stream opened: push the idle deadline out. Only that counts as
-        activity; PINGs do not, or a client that pings would hold an unused session for ever."""
+        activity; PINGs do not, or a client that pings would hold an unused session for ever.
+
+        Moved in steps (IDLE_DEADLINE_STEP_SECONDS, or 1/16 of a short timeout): rescheduling
+        replaces a timer, and a busy session touches thousands of times a second."""
         timeout = self._timeout
-        if timeout is not None and self._idle_timeout is not None and not timeout.expired():
-            timeout.reschedule(self._loop.time() + self._idle_timeout)
+        idle = self._idle_timeout
+        if timeout is None or idle is None or timeout.expired():
+            return
+        deadline = self._loop.time() + idle
+        when = timeout.when()
+        if when is not None and deadline - when < min(IDLE_DEADLINE_STEP_SECONDS, idle / 16):
+            return
+        timeout.reschedule(deadline)
 
     def _forget(self, stream_id: int) -> None:
         stream = self._streams.get(stream_id)
@@ -836,6 +983,10 @@ class SpdySession:
             stream._writable.set()
             stream._window_open.set()
         self._streams.clear()
+        if self._shared_socket is not None:
+            # The session's own reference; readers and spliced writes hold their own.
+            shared, self._shared_socket = self._shared_socket, None
+            shared.release()
         if self._process is not None:
             # What the streams still hold no longer counts: it is read or dropped with them.
             process, self._process = self._process, None

@@ -521,6 +521,61 @@ class SocketStream(ByteStream):
         dup.setblocking(False)
         return dup, pending, protocol._eof
 
+    def can_take_reading(self) -> bool:
+        """Whether take_reading() would succeed: a plain socket (not TLS), open, unbroken."""
+        t = self.transport
+        return not (
+            t.get_extra_info("socket") is None
+            or t.get_extra_info("sslcontext") is not None
+            or self._closed
+            or t.is_closing()
+            or self._protocol._error is not None
+        )
+
+    def take_reading(self) -> tuple[socket.socket, bytes, bool]:
+        """Take over reading for good (podgate.aio.spdysplice): the transport stops reading,
+        writes still go through it. Returns a duplicate of the socket to read (and splice)
+        from, the bytes received and not yet read, and whether EOF came already.
+
+        The caller must close the duplicate before this stream is closed: the socket lives on
+        as long as either descriptor does."""
+        dup = self.duplicate_socket()
+        pending, eof = self.stop_reading()
+        return dup, pending, eof
+
+    def duplicate_socket(self) -> socket.socket:
+        """A non-blocking duplicate of the socket (uvloop refuses add_reader/add_writer on
+        the descriptor its transport owns). Close it before this stream is closed."""
+        if not self.can_take_reading():
+            raise ClosedStreamError("the socket cannot be shared")
+        fd = self.transport.get_extra_info("socket").fileno()
+        dup = socket.socket(fileno=os.dup(fd))
+        dup.setblocking(False)
+        return dup
+
+    def stop_reading(self) -> tuple[bytes, bool]:
+        """Stop the transport's reading for good, for a caller that reads a duplicate of the
+        socket itself: the bytes received and not yet read, and whether EOF came already."""
+        if not self.can_take_reading():
+            raise ClosedStreamError("reading cannot be taken over")
+        protocol = self._protocol
+        protocol._reading_paused = True  # read() must never resume the transport
+        self.transport.pause_reading()
+        pending = b"".join(protocol._chunks)
+        protocol._chunks.clear()
+        protocol._buffered = 0
+        protocol._update_busy()
+        return pending, protocol._eof
+
+    @property
+    def write_buffer_size(self) -> int:
+        """Bytes written and not yet taken by the socket."""
+        return self.transport.get_write_buffer_size()
+
+    @property
+    def eof_sent(self) -> bool:
+        return self._eof_sent or self._closed
+
     @property
     def at_eof(self) -> bool:
         return self._protocol._eof and not self._protocol._chunks

@@ -23,6 +23,7 @@ from google.protobuf.message import DecodeError
 
 from podgate.aio import fdpass
 from podgate.aio.errors import BrokenStreamError, ConnectError, ForwardError
+from podgate.aio.spdysplice import KernelSpliceable, PodSocket
 from podgate.aio.streams import DEFAULT_RECEIVE_BYTES, Buffer, ByteStream, SocketStream
 from podgate.aio.ttrpc import TtrpcClient, TtrpcClosedError
 from podgate.backends.base import BackendError, BackendUnavailableError
@@ -183,8 +184,10 @@ class AgentBackend:
             await client.aclose()
 
 
-class _AgentStream(ByteStream):
-    """The dial-back connection; a broken one is reported to the client, not taken for EOF."""
+class _AgentStream(ByteStream, KernelSpliceable):
+    """The dial-back connection; a broken one is reported to the client, not taken for EOF.
+    A SPDY forward may splice its socket in the kernel (podgate.aio.spdysplice) with the
+    same meaning of EOF and errors."""
 
     def __init__(
         self,
@@ -218,6 +221,13 @@ class _AgentStream(ByteStream):
         if not data and (why := await self._broken()) is not None:
             raise self._lost(why)
         return data
+
+    def pod_socket(self) -> PodSocket:
+        return PodSocket(self._inner, self._pending, self._check_eof, self._lost)
+
+    async def _check_eof(self) -> None:
+        if (why := await self._broken()) is not None:
+            raise self._lost(why)
 
     async def send(self, data: Buffer) -> None:
         try:

@@ -16,6 +16,7 @@ from collections.abc import Coroutine, Sequence
 
 from podgate.aio.errors import ForwardError, StalledStreamError, StreamError, StreamResetError
 from podgate.aio.spdy import SpdySession, SpdyStream
+from podgate.aio.spdysplice import splice_forward
 from podgate.aio.splice import HALF_CLOSE_GRACE_SECONDS, SpliceResult, splice
 from podgate.aio.streams import DEFAULT_RECEIVE_BYTES, Buffer, ByteStream
 from podgate.aio.tasks import cancel_and_wait
@@ -99,6 +100,13 @@ class SpdyPortForwardServer:
             await cancel_and_wait(*self._tasks)
             await session.aclose()
             await cancel_and_wait(reader)
+            if session.spliced_bytes_received or session.spliced_bytes_sent:
+                log.info(
+                    "port-forward %s: %d payload bytes spliced from the client, %d to it",
+                    self.pod,
+                    session.spliced_bytes_received,
+                    session.spliced_bytes_sent,
+                )
 
     def _spawn(self, coro: Coroutine[object, object, None], name: str) -> None:
         task = asyncio.create_task(coro, name=name)
@@ -153,7 +161,11 @@ class SpdyPortForwardServer:
             log.info("port-forward %s: %s", self.pod, message)
             await self._fail(error, data, message)
             return
-        result = await splice(_EndsWithErrorStream(data, error), self.hooks.wrap(upstream))
+        # In the kernel when both the session's socket and the pod's allow it; a hook that
+        # wraps the pod's stream (a rate limit) keeps the bytes in Python, where it sees them.
+        result = await splice_forward(
+            _EndsWithErrorStream(data, error), data, self.hooks.wrap(upstream)
+        )
         record.bytes_in, record.bytes_out = result.a_to_b, result.b_to_a
         if isinstance(result.error, ForwardError):
             # The runtime behind us explained the failure: pass its words on.

@@ -152,6 +152,8 @@ async def serve_stream(
             max_streams=_stream_cap(what),
             control_budget=what.hooks.control_budget,
             on_flood=what.hooks.flooded,
+            # Port-forward payload may be spliced in the kernel (plain sockets only).
+            kernel_splice=what.kind is StreamKind.PORTFORWARD,
         )
         if what.kind is StreamKind.PORTFORWARD:
             server = SpdyPortForwardServer(

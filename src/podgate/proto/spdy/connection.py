@@ -25,6 +25,7 @@ costs only that stream: RST_STREAM(FLOW_CONTROL_ERROR) and `StreamAborted`.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from enum import Enum, auto
 
 from podgate.proto.errors import LocalProtocolError
@@ -89,6 +90,7 @@ __all__ = [
     "MAX_WINDOW_BYTES",
     "STREAM_WINDOW_BYTES",
     "TRANSITIONS",
+    "DataInProgress",
     "Reaction",
     "Role",
     "SpdyConnection",
@@ -109,6 +111,16 @@ MAX_WINDOW_BYTES = 0x7FFFFFFF
 _KNOWN_CONTROL_TYPES = frozenset(int(kind) for kind in ControlType)
 # spdystream's ping counter wraps once it passes this value (client 0x7fffffff -> 1).
 _PING_ID_WRAP = 0x7FFFFFFE
+
+
+@dataclass(frozen=True, slots=True)
+class DataInProgress:
+    """Where the input stands inside a DATA frame: its stream, the payload bytes still to
+    come, and whether they will be delivered (see SpdyConnection.data_in_progress)."""
+
+    stream_id: int
+    remaining: int
+    deliver: bool
 
 
 class Role(Enum):
@@ -456,6 +468,81 @@ class SpdyConnection:
             self._control_frame(header, view[pos:frame_end], events)
             pos = frame_end
         return pos
+
+    # --- DATA payload moved by the driver itself ----------------------------------------
+    #
+    # A driver that can move bytes between sockets without reading them (os.splice) lets
+    # the payload of a DATA frame go around the core: it asks where the input stands, moves
+    # the payload itself, and tells the core how much it moved. Frame headers and control
+    # frames still come through receive_data, so stream state, flow-control windows and FIN
+    # stay exact.
+
+    def data_in_progress(self) -> DataInProgress | None:
+        """The DATA frame whose payload the input is in the middle of, or None at a frame
+        boundary (or after the connection ended). `deliver` is False when its payload would be
+        dropped (a stream reset since, or one the peer may not send on)."""
+        if not self._data_remaining or self.closed:
+            return None
+        deliver = self._data_deliver
+        if deliver:
+            state = self.stream_state(self._data_stream)
+            deliver = TRANSITIONS[state, StreamInput.RECV_DATA][1] is Reaction.ACCEPT
+        return DataInProgress(self._data_stream, self._data_remaining, deliver)
+
+    def bytes_wanted(self) -> int:
+        """How many input bytes would complete what the input stands in: the rest of a frame
+        header (FRAME_HEADER_LENGTH at a boundary), of a control frame, or of the current DATA
+        payload. A driver that splices payload reads no further than this, so that no payload
+        of the next frame enters Python."""
+        if self._data_remaining:
+            return self._data_remaining
+        buffered = len(self._inbuf)
+        if buffered < FRAME_HEADER_LENGTH:
+            return FRAME_HEADER_LENGTH - buffered
+        # Only a control frame is ever left buffered past its header (DATA payload streams).
+        header = decode_frame_header(memoryview(self._inbuf), 0)
+        return FRAME_HEADER_LENGTH + header.length - buffered
+
+    def skip_data(self, size: int) -> list[Event]:
+        """Count `size` payload bytes of the current DATA frame as delivered by the driver
+        (they never reach receive_data). Ends the frame when they were its last; its FIN then
+        comes out as an empty DataReceived(fin=True), as from receive_data. The window was
+        charged when the frame's header arrived: the driver hands it back (window_update) as
+        its application consumes the bytes, as for bytes it received."""
+        self._check_usable()
+        progress = self.data_in_progress()
+        if progress is None or not progress.deliver:
+            raise LocalProtocolError("no deliverable DATA payload in progress")
+        if not 1 <= size <= progress.remaining:
+            raise LocalProtocolError(
+                f"cannot skip {size} of the {progress.remaining} payload bytes left"
+            )
+        self._data_remaining -= size
+        events: list[Event] = []
+        if self._data_remaining == 0 and self._data_fin:
+            self._receive(self._data_stream, StreamInput.RECV_FIN)
+            events.append(DataReceived(self._data_stream, b"", fin=True))
+        return events
+
+    def data_header(self, stream_id: int, size: int) -> bytes:
+        """The header of a DATA frame of `size` payload bytes whose payload the driver writes
+        itself, right after this header (no FIN: end_stream sends that). Accounted as
+        send_data accounts it (state, send window). Everything queued must be taken first
+        (buffers_to_send), or the frame would overtake it."""
+        self._check_usable()
+        if self._outbox:
+            raise LocalProtocolError("queued frames must be sent before a spliced DATA frame")
+        if not 1 <= size <= MAX_FRAME_LENGTH:
+            raise LocalProtocolError(f"DATA payload of {size} bytes outside 1..{MAX_FRAME_LENGTH}")
+        self._plan(stream_id, StreamInput.SEND_DATA)
+        if self._window is not None:
+            window = self._send_windows[stream_id]
+            if size > window:
+                raise LocalProtocolError(
+                    f"{size} bytes exceed the send window of stream {stream_id} ({window})"
+                )
+            self._send_windows[stream_id] = window - size
+        return encode_data_header(stream_id, size)
 
     # --- DATA ----------------------------------------------------------------------------
 

@@ -5,9 +5,9 @@ connection (1 MiB, read 256 KiB at a time) memory grew with the number of busy c
 Instead the connections of one event loop that hold received bytes share one total: each may
 hold total / busy, and read that much at once, between a floor (reads still large enough to be
 cheap per byte: 64 KiB reads cost a quarter of the soak's throughput, 96 KiB ~8 %) and a
-ceiling (what one lone transfer needs). Only backpressure: a connection over its share stops reading its socket
-(its peer meets TCP backpressure); nothing is dropped, and one whose reader never reads holds
-at most its share and one read, so the others go on.
+ceiling (what one lone transfer needs). Only backpressure: a connection over its share stops
+reading its socket (its peer meets TCP backpressure); nothing is dropped, and one whose reader
+never reads holds at most its share and one read, so the others go on.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ by sha256.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import socket
@@ -369,3 +370,79 @@ def test_a_connection_keeps_no_large_buffers_after_a_burst(own_tls: bool, pki: P
     # The incoming BIO stays within about FEED_BYTES, the outgoing within ENCRYPT_BYTES, with
     # OpenSSL's record buffers: ~180-270 KiB measured; the loop's own TLS keeps ~700 KiB.
     assert per_connection <= 384 * KIB, f"{per_connection / KIB:.0f} KiB kept per connection"
+
+
+# -- where records start (unit: a client SSLObject on memory BIOs, the TCP side faked)
+
+
+class _FakeTcp(asyncio.Transport):
+    """What TlsProtocol writes, kept; nothing else happens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent = bytearray()
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.sent += data
+
+    def writelines(self, list_of_data: object) -> None:
+        for data in list_of_data:  # type: ignore[attr-defined]
+            self.sent += data
+
+    def is_closing(self) -> bool:
+        return False
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        pass
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        return default
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+async def test_records_are_walked_from_the_first_byte_even_when_data_follows_the_handshake(
+    pki: Pki,
+) -> None:
+    """The client's Finished and its first records arrive together, split across two reads
+    inside a record: the walk that cuts the ciphertext between records (tls._cut) must count
+    the handshake's bytes too, or it reads a length out of the middle of a record and cuts
+    anywhere from then on."""
+    app = SocketStream.protocol_factory()
+    server = tls.server_side(app, pki.server_ssl_context(client_ca=False))
+    tcp = _FakeTcp()
+    server.connection_made(tcp)
+    c_in, c_out = ssl.MemoryBIO(), ssl.MemoryBIO()
+    client = pki.client_ssl_context().wrap_bio(c_in, c_out, server_hostname="localhost")
+
+    def deliver(data: bytes) -> None:
+        for pos in range(0, len(data), len(server.get_buffer(-1))):
+            piece = data[pos : pos + len(server.get_buffer(-1))]
+            server.get_buffer(-1)[: len(piece)] = piece
+            server.buffer_updated(len(piece))
+
+    with contextlib.suppress(ssl.SSLWantReadError):
+        client.do_handshake()
+    deliver(c_out.read())  # ClientHello
+    c_in.write(bytes(tcp.sent))  # ServerHello … Finished
+    tcp.sent.clear()
+    client.do_handshake()
+    payload = os.urandom(100_000)
+    client.write(payload)  # 7 records after the client's Finished
+    flight = c_out.read()
+    # The first read ends inside the second record: the next starts in the middle of one.
+    deliver(flight[: len(flight) // 4])
+    deliver(flight[len(flight) // 4 :])
+    assert server.handshake.done() and server.handshake.exception() is None
+    assert (server._record_left, server._header) == (0, b"")  # at a record boundary
+    received = b""
+    while len(received) < len(payload):
+        received += await asyncio.wait_for(app.read(1 << 20), HANG_GUARD_SECONDS)
+    assert received == payload

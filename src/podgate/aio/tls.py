@@ -181,7 +181,13 @@ class TlsProtocol(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         if not self._wrapped:
-            self._incoming.write(self._scratch[:nbytes])
+            # Walked too, so that _cut still knows where records start once application
+            # data follows the handshake's last flight in the same read.
+            view = self._scratch[:nbytes]
+            pos = 0
+            while pos < nbytes:
+                pos = self._cut(view, pos)
+            self._incoming.write(view)
             self._handshake_step()
             return
         self._feed(self._scratch[:nbytes])

@@ -44,7 +44,7 @@ from podgate.aio.errors import (
     fresh,
 )
 from podgate.aio.ksplice import PIPE_BYTES, pipe, wait_ready
-from podgate.aio.splice import HALF_CLOSE_GRACE_SECONDS, SpliceResult, splice
+from podgate.aio.splice import HALF_CLOSE_GRACE_SECONDS, SpliceResult, splice, wait_pumps
 from podgate.aio.streams import (
     DEFAULT_RECEIVE_BYTES,
     ByteStream,
@@ -507,28 +507,12 @@ async def splice_forward(
     }
     watcher = asyncio.create_task(_watch(stream, sink), name="spdysplice pod watch")
     try:
-        pending_tasks = set(tasks)
-        while pending_tasks:
-            timeout = grace if len(pending_tasks) == 1 else None
-            done, pending_tasks = await asyncio.wait(
-                pending_tasks | {watcher}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
-            )
-            pending_tasks.discard(watcher)
-            if not done:
-                break  # grace ran out
-            for task in done:
-                exc = task.exception()
-                if exc is not None:
-                    if not isinstance(exc, StreamError):
-                        raise exc
-                    # Without its traceback: its frames hold `result` (see splice).
-                    result.error = result.error or exc.with_traceback(None)
-            if result.error is not None:
-                break
+        await wait_pumps(tasks, result, grace, watch=watcher)
     finally:
-        for task in (*tasks, watcher):
+        left = [task for task in (*tasks, watcher) if not task.done()]  # as splice's
+        for task in left:
             task.cancel()
-        for task in (*tasks, watcher):
+        for task in left:
             with contextlib.suppress(asyncio.CancelledError, StreamError):
                 await task
         session._detach_sink(stream, sink)

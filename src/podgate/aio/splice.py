@@ -46,32 +46,54 @@ async def splice(
     once. After one direction finished cleanly the other gets `grace` seconds (None: unbounded).
     """
     result = SpliceResult()
-    t1 = asyncio.create_task(_pump(a, b, result, True), name="splice a->b")
-    t2 = asyncio.create_task(_pump(b, a, result, False), name="splice b->a")
-    pending: set[asyncio.Task[None]] = {t1, t2}
+    pumps = {
+        asyncio.create_task(_pump(a, b, result, True), name="splice a->b"),
+        asyncio.create_task(_pump(b, a, result, False), name="splice b->a"),
+    }
     try:
-        while pending:
-            timeout = grace if len(pending) == 1 else None
-            done, pending = await asyncio.wait(
-                pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
-            )
-            if not done:
-                break  # grace ran out
-            for task in done:
-                exc = task.exception()
-                if exc is not None:
-                    if not isinstance(exc, StreamError):
-                        raise exc
-                    # Kept without its traceback: that holds this call's pump frames,
-                    # which hold `result` (a cycle keeping their last chunk alive).
-                    result.error = result.error or exc.with_traceback(None)
-            if result.error is not None:
-                break
+        await wait_pumps(pumps, result, grace)
     finally:
-        for task in pending:
+        # Only the unfinished: awaiting a failed one would raise its error again, giving it
+        # a traceback through this frame (and `result`) once more.
+        left = [task for task in pumps if not task.done()]
+        for task in left:
             task.cancel()
-        for task in pending:
+        for task in left:
             with contextlib.suppress(asyncio.CancelledError, StreamError):
                 await task
         await asyncio.gather(a.aclose(), b.aclose(), return_exceptions=True)
     return result
+
+
+async def wait_pumps(
+    pumps: set[asyncio.Task[None]],
+    result: SpliceResult,
+    grace: float | None,
+    *,
+    watch: asyncio.Task[None] | None = None,
+) -> None:
+    """Wait until both directions' tasks end, the one left outlives `grace` after the other
+    ended cleanly, or one fails: its StreamError goes to `result.error`, anything else is
+    raised. A `watch` task's failure ends the wait as a pump's does. The caller cancels what
+    is left."""
+    pending = set(pumps)
+    while pending:
+        timeout = grace if len(pending) == 1 else None
+        waiting = pending | {watch} if watch is not None else pending
+        done, pending = await asyncio.wait(
+            waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+        )
+        if watch is not None:
+            pending.discard(watch)
+        if not done:
+            return  # grace ran out
+        for task in done:
+            exc = task.exception()
+            if exc is not None:
+                if not isinstance(exc, StreamError):
+                    raise exc
+                # Kept without its traceback: that holds the pumps' frames, which hold
+                # `result` (a cycle keeping their last chunk alive).
+                result.error = result.error or exc.with_traceback(None)
+        if result.error is not None:
+            return

@@ -508,18 +508,10 @@ class SocketStream(ByteStream):
         then closing it only drops this stream's descriptor."""
         if not self.can_hand_over():
             raise ClosedStreamError("the connection cannot be handed over")
-        protocol = self._protocol
         self._handed_over = not give_away
-        protocol._reading_paused = True  # read() must never resume the transport
-        self.transport.pause_reading()
-        pending = b"".join(protocol._chunks)
-        protocol._chunks.clear()
-        protocol._buffered = 0
-        protocol._update_busy()
-        fd = self.transport.get_extra_info("socket").fileno()
-        dup = socket.socket(fileno=os.dup(fd))
-        dup.setblocking(False)
-        return dup, pending, protocol._eof
+        dup = self.duplicate_socket()
+        pending, eof = self.stop_reading()
+        return dup, pending, eof
 
     def can_take_reading(self) -> bool:
         """Whether take_reading() would succeed: a plain socket (not TLS), open, unbroken."""
